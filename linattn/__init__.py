@@ -1,0 +1,23 @@
+"""linattn: Performer-style linear attention written once against the Python array API.
+
+The same functions run on NumPy, CuPy, PyTorch, JAX, Dask and array-api-strict
+arrays and return the caller's array type on the caller's device.
+"""
+
+from linattn.attention import favor_attention, linear_attention, softmax_attention
+from linattn.features import KINDS, FeatureMap
+from linattn.projections import gaussian_projection
+from linattn.state import LinearAttentionState, combine
+
+__all__ = [
+    "KINDS",
+    "FeatureMap",
+    "LinearAttentionState",
+    "combine",
+    "favor_attention",
+    "gaussian_projection",
+    "linear_attention",
+    "softmax_attention",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,116 @@
+"""Argument checks for the attention front door: one place, run before any computation.
+
+Every error names the argument, what was expected and what was given.  Compiled
+kernels are only reached after these checks pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from linattn._xp import Array, Namespace, device_of, float_dtype, namespace_of
+
+__all__ = ["AttentionInputs", "broadcast_shapes", "check_attention_inputs", "check_chunk_size"]
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Validated inputs: their namespace, device, dtypes and the broadcast batch shape."""
+
+    xp: Namespace
+    device: Any
+    dtype: Any  # the result's dtype
+    batch_shape: tuple[int, ...]
+    query_length: int
+    key_length: int
+    value_dim: int
+
+
+def broadcast_shapes(named: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """NumPy broadcasting of the named leading shapes, with an error naming all of them."""
+    try:
+        return tuple(int(n) for n in np.broadcast_shapes(*named.values()))
+    except ValueError:
+        listing = ", ".join(f"{name} {shape}" for name, shape in named.items())
+        raise ValueError(
+            f"leading (batch) dimensions must broadcast together; got {listing}"
+        ) from None
+
+
+def check_chunk_size(chunk_size: object) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer):
+        raise TypeError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
+    return int(chunk_size)
+
+
+def check_attention_inputs(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    key_mask: Array | None,
+    causal: bool,
+    head_dim: int | None,
+    extra: dict[str, Array] | None = None,
+) -> AttentionInputs:
+    """Check q, k, v (and key_mask) and return what the computation needs to know."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    arrays = {"q": q, "k": k, "v": v, "key_mask": key_mask, **(extra or {})}
+    xp = namespace_of(**arrays)
+    device = device_of(**arrays)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        float_dtype(xp, name, x)
+        if x.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dimensions (..., length, features); "
+                f"got shape {tuple(x.shape)}"
+            )
+        if x.shape[-2] == 0:
+            raise ValueError(f"{name} must have at least one position; got shape {tuple(x.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head dimension; got q shape {tuple(q.shape)} "
+            f"and k shape {tuple(k.shape)}"
+        )
+    if head_dim is not None and q.shape[-1] != head_dim:
+        raise ValueError(
+            f"q and k must have head dimension {head_dim} to match feature_map.head_dim; "
+            f"got {q.shape[-1]}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same length; got k shape {tuple(k.shape)} and "
+            f"v shape {tuple(v.shape)}"
+        )
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            "causal attention needs queries and keys of the same length; got q length "
+            f"{q.shape[-2]} and k length {k.shape[-2]}"
+        )
+    leading = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2])}
+    if key_mask is not None:
+        if key_mask.dtype != xp.bool:
+            raise TypeError(f"key_mask must be a boolean array; got dtype {key_mask.dtype}")
+        if key_mask.ndim < 1 or key_mask.shape[-1] != k.shape[-2]:
+            raise ValueError(
+                f"key_mask must have shape (..., {k.shape[-2]}) to match the key length; "
+                f"got shape {tuple(key_mask.shape)}"
+            )
+        leading["key_mask"] = tuple(key_mask.shape[:-1])
+    batch_shape = broadcast_shapes(leading)
+    dtype = xp.result_type(q.dtype, k.dtype, v.dtype)
+    return AttentionInputs(
+        xp=xp,
+        device=device,
+        dtype=dtype,
+        batch_shape=batch_shape,
+        query_length=int(q.shape[-2]),
+        key_length=int(k.shape[-2]),
+        value_dim=int(v.shape[-1]),
+    )

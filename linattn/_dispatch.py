@@ -1,0 +1,85 @@
+"""The one place that decides who runs causal attention: a compiled kernel or the array API.
+
+``backend="auto"`` (or the ``LINATTN_BACKEND`` environment variable) picks the Numba
+kernel when one can serve the arrays and the array-API path otherwise;
+``"numba"`` insists on the kernel, ``"array_api"`` on the portable path.
+``linattn_numba`` is imported lazily, here and nowhere else, so ``linattn`` imports
+without numba installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from linattn import causal as causal_path
+from linattn._xp import Array, Namespace
+
+__all__ = ["BACKENDS", "causal", "kernel_status", "resolve_backend"]
+
+BACKENDS = ("auto", "numba", "array_api")
+ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
+
+CausalResult = tuple[Array, Array, Array]
+
+
+def resolve_backend(backend: str | None) -> str:
+    """The backend asked for: the argument, else ``$LINATTN_BACKEND``, else ``"auto"``."""
+    chosen = backend if backend is not None else os.environ.get(ENVIRONMENT_VARIABLE, "auto")
+    if chosen not in BACKENDS:
+        source = "backend" if backend is not None else f"${ENVIRONMENT_VARIABLE}"
+        raise ValueError(f"{source} must be one of {BACKENDS}; got {chosen!r}")
+    return chosen
+
+
+def kernel_status() -> dict[str, str]:
+    """Which compiled kernels can run here, and why not where one cannot."""
+    status = {}
+    try:
+        import linattn_numba
+
+        status["numba-cpu"] = linattn_numba.cpu_status()
+        status["numba-cuda"] = linattn_numba.cuda_status()
+    except ImportError as error:
+        status["numba-cpu"] = status["numba-cuda"] = f"unavailable: {error}"
+    return status
+
+
+def _kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
+    """The kernel entry point that serves arrays like ``x``, or ``None`` and the reason."""
+    try:
+        import linattn_numba
+    except ImportError as error:
+        return None, f"linattn_numba cannot be imported ({error}); install linattn[numba]"
+    return linattn_numba.causal_kernel_for(x)
+
+
+def causal(
+    xp: Namespace,
+    log_phi_q: Array,
+    sign_q: Array | None,
+    log_phi_k: Array,
+    sign_k: Array | None,
+    values_aug: Array,
+    kv: Array,
+    log_shift: Array,
+    *,
+    chunk_size: int,
+    backend: str | None,
+) -> CausalResult:
+    """Chunked causal attention by the chosen backend; same results either way."""
+    chosen = resolve_backend(backend)
+    if chosen != "array_api":
+        kernel, reason = _kernel_for(log_phi_q)
+        if kernel is not None and sign_q is not None:
+            kernel, reason = None, "the kernels take positive features only"
+        if kernel is not None:
+            return kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
+        if chosen == "numba":
+            raise ValueError(
+                f"backend='numba' cannot serve these arrays "
+                f"({type(log_phi_q).__module__}.{type(log_phi_q).__name__}): {reason}"
+            )
+    return causal_path.causal(
+        xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift, chunk_size
+    )

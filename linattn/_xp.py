@@ -1,0 +1,137 @@
+"""Array-namespace helpers: one place for namespace, device and dtype decisions.
+
+Everything here works on any array-API namespace obtained through
+``array_api_compat``; nothing imports an array library at import time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+Array = Any
+Namespace = Any
+
+__all__ = [
+    "Array",
+    "Namespace",
+    "compute_dtype",
+    "constant",
+    "device_of",
+    "float_dtype",
+    "from_host",
+    "library_name",
+    "namespace_of",
+    "safe_shift",
+    "to_host",
+]
+
+
+def library_name(x: object) -> str:
+    """A short, readable name for the library an array belongs to (for error messages)."""
+    cls = type(x)
+    return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+
+
+def namespace_of(**arrays: Array | None) -> Namespace:
+    """The one array namespace shared by the named arrays (``None`` entries are skipped).
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, or the arrays come from different libraries.
+    """
+    present = {name: a for name, a in arrays.items() if a is not None}
+    for name, a in present.items():
+        if not array_api_compat.is_array_api_obj(a):
+            raise TypeError(
+                f"{name} must be an array (NumPy, CuPy, PyTorch, JAX, Dask or an "
+                f"array-API array); got {type(a).__name__}"
+            )
+    try:
+        return array_api_compat.array_namespace(*present.values())
+    except TypeError:
+        kinds = ", ".join(f"{name}: {library_name(a)}" for name, a in present.items())
+        raise TypeError(
+            f"all arrays must come from one array library; got {kinds}"
+        ) from None
+
+
+def device_of(**arrays: Array | None) -> Any:
+    """The one device shared by the named arrays; ``ValueError`` naming them if they differ."""
+    devices = {
+        name: array_api_compat.device(a) for name, a in arrays.items() if a is not None
+    }
+    first_name, first = next(iter(devices.items()))
+    for name, dev in devices.items():
+        if dev != first:
+            raise ValueError(
+                f"all arrays must be on one device; {first_name} is on {first!r} "
+                f"but {name} is on {dev!r}"
+            )
+    return first
+
+
+def float_dtype(xp: Namespace, name: str, x: Array) -> Any:
+    """``x.dtype`` if it is a real floating dtype, else a ``TypeError`` naming ``name``."""
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(
+            f"{name} must have a real floating dtype (float16, bfloat16, float32 or "
+            f"float64); got {x.dtype}"
+        )
+    return x.dtype
+
+
+def compute_dtype(xp: Namespace, dtype: Any) -> Any:
+    """The dtype the state and accumulations use: float64 stays, all else is float32."""
+    return xp.float64 if dtype == xp.float64 else xp.float32
+
+
+def constant(xp: Namespace, value: float, like: Array) -> Array:
+    """A 0-d array holding ``value`` with the dtype and device of ``like``."""
+    return xp.asarray(value, dtype=like.dtype, device=array_api_compat.device(like))
+
+
+def safe_shift(xp: Namespace, shift: Array) -> Array:
+    """Replace infinite stabiliser entries (from empty or fully masked inputs) by 0.
+
+    A stabiliser only has to make exponents non-positive; where it is ``-inf``
+    every term it shifts is zero anyway, and 0 keeps ``x - shift`` free of NaN.
+    """
+    return xp.where(xp.isfinite(shift), shift, constant(xp, 0.0, shift))
+
+
+def from_host(xp: Namespace, host: np.ndarray, *, dtype: Any, device: Any) -> Array:
+    """Move a NumPy array (drawn on the host) into namespace ``xp`` on ``device``."""
+    if xp.__name__.endswith("dask.array"):
+        # Dask's asarray has no device argument; its chunks live on the host.
+        return xp.asarray(np.asarray(host), dtype=dtype)
+    return xp.asarray(host, dtype=dtype, device=device)
+
+
+def to_host(x: Array) -> np.ndarray:
+    """A NumPy copy of any array (detached from autograd, moved to the host)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if array_api_compat.is_torch_array(x):
+        return x.detach().cpu().numpy()
+    if array_api_compat.is_cupy_array(x):
+        return x.get()
+    if array_api_compat.is_dask_array(x):
+        return np.asarray(x.compute())
+    try:
+        return np.asarray(x)
+    except (RuntimeError, TypeError, ValueError):
+        # Libraries that refuse an implicit host copy (array-api-strict off its
+        # default device) still speak DLPack.
+        return np.from_dlpack(x).copy()
+
+
+def is_float_scalar(value: object) -> bool:
+    """True for a real Python/NumPy number that is finite."""
+    return isinstance(value, int | float | np.floating | np.integer) and math.isfinite(
+        float(value)
+    )

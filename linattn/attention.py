@@ -1,0 +1,364 @@
+"""The front door: exact softmax attention, linear attention, and one-line FAVOR+.
+
+Arrays go in and come out in the caller's namespace and on the caller's device.
+Inputs are checked once, here, before anything is computed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, overload
+
+import numpy as np
+
+from linattn import _dispatch
+from linattn import causal as causal_path
+from linattn._checks import check_attention_inputs, check_chunk_size
+from linattn._xp import Array, compute_dtype, constant, from_host
+from linattn.features import FeatureMap, Kind
+from linattn.state import LinearAttentionState, empty_state
+
+__all__ = ["favor_attention", "linear_attention", "softmax_attention"]
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def softmax_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    *,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """Exact softmax attention ``softmax(s q k^T) v``, computed stably (the reference).
+
+    Parameters
+    ----------
+    q : array, shape ``(..., L_q, d)``
+    k : array, shape ``(..., L_k, d)``
+    v : array, shape ``(..., L_k, d_v)``
+        Leading dimensions broadcast.  Half-precision inputs are computed in float32.
+    causal : bool, default False
+        Query ``i`` attends to keys ``j <= i`` (needs ``L_q == L_k``).
+    key_mask : boolean array, shape ``(..., L_k)``, optional
+        True for keys that take part.  A query that sees no key gets zeros.
+    scale : float, optional
+        Logit scale ``s``; default ``1 / sqrt(d)``.
+
+    Returns
+    -------
+    array, shape ``(..., L_q, d_v)``
+        In the inputs' namespace, device and (promoted) dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> q = k = v = np.eye(3)
+    >>> la.softmax_attention(q, k, v, causal=True)[0]
+    array([1., 0., 0.])
+    """
+    info = check_attention_inputs(q, k, v, key_mask=key_mask, causal=causal, head_dim=None)
+    xp = info.xp
+    scale = _check_scale(scale, info.xp, q.shape[-1])
+    work = compute_dtype(xp, info.dtype)
+    q, k, v = (xp.astype(a, work) for a in (q, k, v))
+    logits = xp.matmul(q, xp.matrix_transpose(k)) * scale
+    visible = None
+    if causal:
+        n = info.query_length
+        visible = from_host(
+            xp, np.tril(np.ones((n, n), dtype=bool)), dtype=xp.bool, device=info.device
+        )
+    if key_mask is not None:
+        keys = key_mask[..., None, :]
+        visible = keys if visible is None else xp.logical_and(visible, keys)
+    if visible is not None:
+        logits = xp.where(visible, logits, constant(xp, -math.inf, logits))
+    row_max = xp.max(logits, axis=-1, keepdims=True)
+    row_max = xp.where(xp.isfinite(row_max), row_max, constant(xp, 0.0, row_max))
+    weights = xp.exp(logits - row_max)
+    den = xp.sum(weights, axis=-1, keepdims=True)
+    den = xp.where(den == 0, constant(xp, 1.0, den), den)
+    return xp.astype(xp.matmul(weights / den, v), info.dtype)
+
+
+@overload
+def linear_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = ...,
+    key_mask: Array | None = ...,
+    state: LinearAttentionState | None = ...,
+    return_state: Literal[False] = ...,
+    chunk_size: int = ...,
+    backend: str | None = ...,
+) -> Array: ...
+@overload
+def linear_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = ...,
+    key_mask: Array | None = ...,
+    state: LinearAttentionState | None = ...,
+    return_state: Literal[True],
+    chunk_size: int = ...,
+    backend: str | None = ...,
+) -> tuple[Array, LinearAttentionState]: ...
+def linear_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    backend: str | None = None,
+) -> Array | tuple[Array, LinearAttentionState]:
+    """Linear attention ``phi(Q) (phi(K)^T [V | 1])``, normalised, in O(L) time and memory.
+
+    With a random feature map this estimates softmax attention without bias in each
+    kernel value; all stabilisation happens on log-features, so nothing overflows and
+    no epsilon biases the result.  Causal attention runs chunk by chunk with a
+    per-feature running maximum that never looks at future tokens: earlier outputs
+    do not change, bit for bit, when later tokens do.
+
+    Parameters
+    ----------
+    q : array, shape ``(..., L_q, d)``
+    k : array, shape ``(..., L_k, d)``
+    v : array, shape ``(..., L_k, d_v)``
+        Leading dimensions (batch, heads) broadcast.  float32 and float64; float16 and
+        bfloat16 inputs are computed with float32 state and returned in their dtype.
+    feature_map : FeatureMap
+        The features; ``feature_map.head_dim`` must equal ``d``.
+    causal : bool, default False
+        Query ``i`` attends to keys ``j <= i`` (needs ``L_q == L_k``).
+    key_mask : boolean array, shape ``(..., L_k)``, optional
+        True for keys that take part.  Masking acts on key *features*, so padded keys
+        drop out of numerator and denominator alike.  A query that sees no key gets zeros.
+    state : LinearAttentionState, optional
+        Continue a causal sequence from a state returned by an earlier call.
+    return_state : bool, default False
+        Also return the state after the last token (causal only).
+    chunk_size : int, default 64
+        Tokens per chunk of the causal algorithm; results do not depend on it beyond
+        rounding.
+    backend : {"auto", "numba", "array_api"}, optional
+        Who runs causal attention; default ``$LINATTN_BACKEND`` or ``"auto"`` (the
+        compiled kernel where it can serve the arrays).
+
+    Returns
+    -------
+    array, shape ``(..., L_q, d_v)``, or ``(array, LinearAttentionState)``
+        In the inputs' namespace, device and dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (0.3 * rng.normal(size=(2, 128, 32)) for _ in range(3))
+    >>> fm = la.FeatureMap(32, 256, kind="hyperbolic", seed=0)
+    >>> out = la.linear_attention(q, k, v, fm, causal=True)
+    >>> exact = la.softmax_attention(q, k, v, causal=True)
+    >>> bool(np.abs(out - exact).max() < 0.05)
+    True
+    """
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}")
+    extra = {} if state is None else _state_arrays(state)
+    info = check_attention_inputs(
+        q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
+    )
+    chunk_size = check_chunk_size(chunk_size)
+    _dispatch.resolve_backend(backend)
+    if not causal and (state is not None or return_state):
+        raise ValueError(
+            "state and return_state need causal=True (bidirectional attention has no "
+            f"running state); got state={'given' if state is not None else None}, "
+            f"return_state={return_state}"
+        )
+    xp = info.xp
+    work = compute_dtype(xp, info.dtype)
+    batch = info.batch_shape
+    if state is not None:
+        batch = _check_state(state, feature_map, info, work)
+    m = feature_map.num_features
+
+    log_phi_q, sign_q = feature_map.signed_log_features(q)
+    log_phi_k, sign_k = feature_map.signed_log_features(k)
+    if key_mask is not None:
+        log_phi_k = xp.where(
+            key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k)
+        )
+    values_aug = xp.astype(v, work)
+    values_aug = xp.concat([values_aug, xp.ones_like(values_aug[..., :1])], axis=-1)
+
+    def full(x: Array | None, length: int, width: int) -> Array | None:
+        return None if x is None else xp.broadcast_to(x, (*batch, length, width))
+
+    lq, lk = info.query_length, info.key_length
+    log_phi_q, sign_q = full(log_phi_q, lq, m), full(sign_q, lq, m)
+    log_phi_k, sign_k = full(log_phi_k, lk, m), full(sign_k, lk, m)
+    values_aug = full(values_aug, lk, info.value_dim + 1)
+    if state is None:
+        kv, log_shift = empty_state(xp, batch, m, info.value_dim, log_phi_q)
+    else:
+        kv = xp.broadcast_to(state.kv, (*batch, m, info.value_dim + 1))
+        log_shift = xp.broadcast_to(state.log_shift, (*batch, m))
+
+    if causal:
+        outputs_aug, kv, log_shift = _dispatch.causal(
+            xp,
+            log_phi_q,
+            sign_q,
+            log_phi_k,
+            sign_k,
+            values_aug,
+            kv,
+            log_shift,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
+    else:
+        outputs_aug = causal_path.bidirectional(
+            xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift
+        )
+    out = xp.astype(causal_path.normalise(xp, outputs_aug), info.dtype)
+    if not return_state:
+        return out
+    previous = 0 if state is None else state.num_tokens
+    return out, LinearAttentionState(
+        kv=kv, log_shift=log_shift, feature_map=feature_map.fingerprint, num_tokens=previous + lk
+    )
+
+
+def favor_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    *,
+    num_features: int = 256,
+    kind: Kind = "positive",
+    orthogonal: bool = True,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    scale: float | None = None,
+    seed: int = 0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    backend: str | None = None,
+) -> Array:
+    """FAVOR+ attention in one line: draw a feature map from ``seed`` and apply it.
+
+    Parameters
+    ----------
+    q, k, v : arrays
+        As for :func:`linear_attention`.
+    num_features : int, default 256
+        Number of random features ``m``.
+    kind : str, default "positive"
+        Feature kind, see :class:`FeatureMap`.
+    orthogonal : bool, default True
+        Orthogonal random features.
+    causal, key_mask, chunk_size, backend
+        As for :func:`linear_attention`.
+    scale : float, optional
+        Softmax scale; default ``1 / sqrt(d)``.
+    seed : int, default 0
+        Seed of the projection; the same seed gives the same output on every backend.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> x = np.random.default_rng(0).normal(size=(4, 64, 16)).astype(np.float32)
+    >>> la.favor_attention(x, x, x, causal=True).shape
+    (4, 64, 16)
+    """
+    head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else None
+    if not isinstance(head_dim, int):
+        raise ValueError(
+            f"q must be an array of shape (..., L, d); got {type(q).__name__} "
+            f"with shape {getattr(q, 'shape', None)}"
+        )
+    feature_map = FeatureMap(
+        head_dim, num_features, kind=kind, orthogonal=orthogonal, scale=scale, seed=seed
+    )
+    return linear_attention(
+        q,
+        k,
+        v,
+        feature_map,
+        causal=causal,
+        key_mask=key_mask,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+
+
+def _check_scale(scale: object, xp: Any, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float | np.floating | np.integer)
+        or not (math.isfinite(scale) and scale > 0)
+    ):
+        raise ValueError(f"scale must be a positive finite number; got {scale!r}")
+    return float(scale)
+
+
+def _state_arrays(state: object) -> dict[str, Array]:
+    if not isinstance(state, LinearAttentionState):
+        raise TypeError(
+            f"state must be a LinearAttentionState from linear_attention(..., "
+            f"return_state=True); got {type(state).__name__}"
+        )
+    return {"state.kv": state.kv, "state.log_shift": state.log_shift}
+
+
+def _check_state(
+    state: LinearAttentionState, feature_map: FeatureMap, info: Any, work: Any
+) -> tuple[int, ...]:
+    """Check a state against the feature map and inputs; return the new batch shape."""
+    from linattn._checks import broadcast_shapes
+
+    if state.feature_map != feature_map.fingerprint:
+        raise ValueError(
+            "state was made by another feature map (fingerprint "
+            f"{state.feature_map}); this call uses {feature_map.fingerprint}"
+        )
+    m, width = feature_map.num_features, info.value_dim + 1
+    if state.kv.ndim < 2 or tuple(state.kv.shape[-2:]) != (m, width):
+        raise ValueError(
+            f"state.kv must have shape (..., {m}, {width}) for {m} features and value "
+            f"dimension {info.value_dim}; got shape {tuple(state.kv.shape)}"
+        )
+    if tuple(state.log_shift.shape) != tuple(state.kv.shape[:-1]):
+        raise ValueError(
+            f"state.log_shift must have shape {tuple(state.kv.shape[:-1])}; got "
+            f"{tuple(state.log_shift.shape)}"
+        )
+    if state.kv.dtype != work or state.log_shift.dtype != work:
+        raise TypeError(
+            f"state must hold {work} arrays for these inputs; got kv {state.kv.dtype}, "
+            f"log_shift {state.log_shift.dtype}"
+        )
+    return broadcast_shapes({"inputs": info.batch_shape, "state": tuple(state.kv.shape[:-2])})

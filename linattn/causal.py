@@ -1,0 +1,162 @@
+"""Stabilised linear attention in the array API: bidirectional and chunked causal.
+
+All functions take log-features (``-inf`` for masked keys) and return *unnormalised*
+outputs ``[numerator | denominator]``; :func:`normalise` divides.  Every exponent
+is non-positive, so nothing overflows, and no epsilon is added anywhere.
+
+The chunked causal form (``MATH.md`` sections 3-4) keeps the state ``(S, mu)`` at
+chunk boundaries.  Inside a chunk, token ``t`` may only be stabilised by tokens
+``<= t`` (anything else leaks the future through rounding and underflow), so the
+chunk uses shifts that factor through the matrix products:
+
+* queries: ``u_t = exp(l(q_t) + mu - F_t)`` with ``F_t = max_r (l(q_t)_r + mu_r)``;
+* keys: ``psi_j = exp(l(k_j) - mu - G_j)`` with ``G_j = max_r (l(k_j)_r - mu_r)``;
+* token ``t`` scales its state term by ``exp(-Gmax_t)`` and key ``j <= t`` by
+  ``exp(G_j - Gmax_t)``, where ``Gmax_t`` is the running maximum of ``G`` up to
+  ``t`` (floored at 0 once the state holds a key).
+
+Here ``mu`` is the state's per-feature maximum *before* the chunk, which depends
+on earlier chunks only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from linattn._xp import Array, Namespace, constant, from_host, safe_shift
+from linattn.state import absorb_keys
+
+__all__ = ["bidirectional", "causal", "normalise", "readout"]
+
+
+def readout(
+    xp: Namespace, kv: Array, log_shift: Array, log_phi_q: Array, sign_q: Array | None
+) -> Array:
+    """Queries against a state: ``u^T S`` with ``u = exp(l(q) + mu - F)``, shape ``(..., L, d_v+1)``."""
+    shifted = log_phi_q + safe_shift(xp, log_shift)[..., None, :]
+    row_max = safe_shift(xp, xp.max(shifted, axis=-1, keepdims=True))
+    u = xp.exp(shifted - row_max)
+    if sign_q is not None:
+        u = sign_q * u
+    return xp.matmul(u, kv)
+
+
+def bidirectional(
+    xp: Namespace,
+    log_phi_q: Array,
+    sign_q: Array | None,
+    log_phi_k: Array,
+    sign_k: Array | None,
+    values_aug: Array,
+    kv: Array,
+    log_shift: Array,
+) -> Array:
+    """``phi(Q) (phi(K)^T [V|1])``, stabilised per feature over all keys."""
+    kv, log_shift = absorb_keys(xp, kv, log_shift, log_phi_k, sign_k, values_aug)
+    return readout(xp, kv, log_shift, log_phi_q, sign_q)
+
+
+def causal(
+    xp: Namespace,
+    log_phi_q: Array,
+    sign_q: Array | None,
+    log_phi_k: Array,
+    sign_k: Array | None,
+    values_aug: Array,
+    kv: Array,
+    log_shift: Array,
+    chunk_size: int,
+) -> tuple[Array, Array, Array]:
+    """Chunked causal linear attention continuing from state ``(kv, log_shift)``.
+
+    Returns
+    -------
+    (outputs_aug, kv, log_shift)
+        Unnormalised outputs ``(..., L, d_v + 1)`` and the state after the last token.
+    """
+    length = log_phi_q.shape[-2]
+    device = _device(log_phi_q)
+    lower = from_host(
+        xp, np.tril(np.ones((chunk_size, chunk_size), dtype=bool)), dtype=xp.bool, device=device
+    )
+    pieces = []
+    for start in range(0, length, chunk_size):
+        stop = min(start + chunk_size, length)
+        size = stop - start
+        chunk = slice(start, stop)
+        pieces.append(
+            _chunk_outputs(
+                xp,
+                kv,
+                log_shift,
+                log_phi_q[..., chunk, :],
+                None if sign_q is None else sign_q[..., chunk, :],
+                log_phi_k[..., chunk, :],
+                None if sign_k is None else sign_k[..., chunk, :],
+                values_aug[..., chunk, :],
+                lower if size == chunk_size else lower[:size, :size],
+            )
+        )
+        kv, log_shift = absorb_keys(
+            xp,
+            kv,
+            log_shift,
+            log_phi_k[..., chunk, :],
+            None if sign_k is None else sign_k[..., chunk, :],
+            values_aug[..., chunk, :],
+        )
+    outputs = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
+    return outputs, kv, log_shift
+
+
+def _chunk_outputs(
+    xp: Namespace,
+    kv: Array,
+    log_shift: Array,
+    log_phi_q: Array,
+    sign_q: Array | None,
+    log_phi_k: Array,
+    sign_k: Array | None,
+    values_aug: Array,
+    lower: Array,
+) -> Array:
+    """Unnormalised outputs of one chunk: state term plus masked intra-chunk term."""
+    neg_inf = constant(xp, -float("inf"), log_shift)
+    mu = safe_shift(xp, log_shift)[..., None, :]
+    # Queries, shifted per row.
+    shifted_q = log_phi_q + mu
+    u = xp.exp(shifted_q - safe_shift(xp, xp.max(shifted_q, axis=-1, keepdims=True)))
+    if sign_q is not None:
+        u = sign_q * u
+    # Keys, shifted per key by their own largest excess over the state's maximum.
+    shifted_k = log_phi_k - mu
+    key_excess = xp.max(shifted_k, axis=-1)  # G_j, (..., C)
+    psi = xp.exp(shifted_k - safe_shift(xp, key_excess)[..., None])
+    if sign_k is not None:
+        psi = sign_k * psi
+    # Running maximum of G over keys j <= t; floored at 0 once the state holds a key.
+    state_floor = xp.max(
+        xp.where(xp.isfinite(log_shift), constant(xp, 0.0, log_shift), neg_inf),
+        axis=-1,
+        keepdims=True,
+    )
+    visible_excess = xp.where(lower, key_excess[..., None, :], neg_inf)  # (..., C, C)
+    running = safe_shift(
+        xp, xp.maximum(xp.max(visible_excess, axis=-1), state_floor)
+    )  # Gmax_t, (..., C)
+    intra = xp.matmul(u, xp.matrix_transpose(psi)) * xp.exp(visible_excess - running[..., None])
+    state_weight = xp.exp(state_floor - running)[..., None]
+    return state_weight * xp.matmul(u, kv) + xp.matmul(intra, values_aug)
+
+
+def normalise(xp: Namespace, outputs_aug: Array) -> Array:
+    """``numerator / denominator``; queries that see no key (denominator 0) get zeros."""
+    den = outputs_aug[..., -1:]
+    one = constant(xp, 1.0, den)
+    return outputs_aug[..., :-1] / xp.where(den == 0, one, den)
+
+
+def _device(x: Array) -> object:
+    import array_api_compat
+
+    return array_api_compat.device(x)
