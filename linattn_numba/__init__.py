@@ -1,20 +1,75 @@
-"""Compiled Numba kernels for linattn (CPU and CUDA); imported lazily by ``linattn._dispatch``."""
+"""Compiled Numba kernels for linattn: the chunked, stabilised causal scan, forward and backward.
+
+This package knows nothing of ``linattn``: it takes and returns arrays.  It is
+imported lazily, by ``linattn._dispatch`` only.
+
+Kernel contract (CPU and CUDA alike)::
+
+    kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
+        -> (outputs_aug, kv_out, log_shift_out)
+
+with shapes ``(*batch, L, m)``, ``(*batch, L, m)``, ``(*batch, L, d_v + 1)``,
+``(*batch, m, d_v + 1)``, ``(*batch, m)`` and the same algorithm, and results, as
+``linattn.causal.causal`` (see its module docstring for the stabilisers).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["causal_kernel_for", "cpu_status", "cuda_status"]
 
+Kernel = Callable[..., tuple[Any, Any, Any]]
+
 
 def cpu_status() -> str:
-    return "unavailable: the CPU kernels are not built yet"
+    """``"available"`` or why the CPU kernels cannot run."""
+    try:
+        from linattn_numba import cpu
+    except ImportError as error:
+        return f"unavailable: {error}"
+    return cpu.status()
 
 
 def cuda_status() -> str:
-    return "unavailable: the CUDA kernels are not built yet"
+    """``"available"`` or why the CUDA kernels cannot run (e.g. no GPU found)."""
+    try:
+        from linattn_numba import _cuda
+    except ImportError as error:
+        return f"unavailable: {error}"
+    return _cuda.status()
 
 
-def causal_kernel_for(x: Any) -> tuple[None, str]:
-    """The causal kernel for arrays like ``x``, or ``None`` and the reason."""
-    return None, "no compiled kernel is available yet"
+def causal_kernel_for(x: Any) -> tuple[Kernel | None, str]:
+    """The causal kernel that serves arrays like ``x``, or ``None`` and the reason."""
+    module = type(x).__module__.split(".")[0]
+    if module == "numpy":
+        return _cpu_kernel("numpy")
+    if module == "torch":
+        if x.device.type == "cpu":
+            return _cpu_kernel("torch")
+        if x.device.type == "cuda":
+            return _cuda_kernel("torch")
+        return None, f"no kernel for torch tensors on {x.device}"
+    if module == "cupy":
+        return _cuda_kernel("cupy")
+    return None, f"no compiled kernel serves {module} arrays"
+
+
+def _cpu_kernel(library: str) -> tuple[Kernel | None, str]:
+    status = cpu_status()
+    if status != "available":
+        return None, status
+    from linattn_numba import cpu
+
+    return cpu.causal_kernel(library), "available"
+
+
+def _cuda_kernel(library: str) -> tuple[Kernel | None, str]:
+    status = cuda_status()
+    if status != "available":
+        return None, status
+    from linattn_numba import cuda
+
+    return cuda.causal_kernel(library), "available"

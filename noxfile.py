@@ -1,0 +1,130 @@
+"""nox sessions: one per array backend, plus kernels, simulator, PTX, lint, docs, bench, demo.
+
+``nox`` alone runs the default set (what CI runs); ``nox -s NAME`` runs one session.
+PyTorch is pinned to the CPU build that pip finds on this machine's disk (an
+unpinned ``torch`` pulls a multi-GB CUDA build).
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = False
+nox.options.sessions = [
+    "lint",
+    "numpy",
+    "strict",
+    "torch",
+    "jax",
+    "dask",
+    "kernels",
+    "cudasim",
+    "ptx",
+    "docs",
+]
+
+PYTHON = "3.11"
+TORCH = "torch==2.13.0"
+TEST = ("pytest>=8", "hypothesis>=6.100", "array-api-strict>=2.2")
+
+
+def _test(session: nox.Session, backends: str, *extra: str, env: dict[str, str] | None = None):
+    session.install("-e", ".", *TEST, *extra)
+    session.run(
+        "pytest",
+        *session.posargs,
+        env={"LINATTN_TEST_BACKENDS": backends, **(env or {})},
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format) and mypy."""
+    session.install("-e", ".", "ruff>=0.6", "mypy>=1.10", "numpy")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def numpy(session: nox.Session) -> None:
+    """NumPy and read-only NumPy arrays (the array-API path)."""
+    _test(session, "numpy,numpy_readonly", env={"LINATTN_BACKEND": "array_api"})
+
+
+@nox.session(python=PYTHON)
+def strict(session: nox.Session) -> None:
+    """array-api-strict on a non-default device (catches lost device propagation)."""
+    _test(session, "array_api_strict")
+
+
+@nox.session(python=PYTHON)
+def torch(session: nox.Session) -> None:
+    """PyTorch CPU tensors, autograd included."""
+    _test(session, "torch", TORCH)
+
+
+@nox.session(python=PYTHON)
+def jax(session: nox.Session) -> None:
+    """JAX arrays on the CPU, autodiff included."""
+    _test(session, "jax", "jax>=0.4.32")
+
+
+@nox.session(python=PYTHON)
+def dask(session: nox.Session) -> None:
+    """Dask arrays, lazy, on the default scheduler and a local distributed cluster."""
+    _test(session, "dask", "dask[array]>=2024.8", "distributed>=2024.8")
+
+
+@nox.session(python=PYTHON)
+def kernels(session: nox.Session) -> None:
+    """The Numba CPU kernels against the array-API path (NumPy and torch CPU)."""
+    _test(session, "numpy,numpy_readonly,torch", ".[numba]", TORCH)
+
+
+@nox.session(python=PYTHON)
+def cudasim(session: nox.Session) -> None:
+    """The Numba CUDA kernels under the CUDA simulator (no GPU needed)."""
+    session.install("-e", ".[cuda,numba]", *TEST)
+    session.run(
+        "pytest",
+        "tests/test_cuda.py",
+        *session.posargs,
+        env={"NUMBA_ENABLE_CUDASIM": "1", "LINATTN_TEST_BACKENDS": "numpy"},
+    )
+
+
+@nox.session(python=PYTHON)
+def ptx(session: nox.Session) -> None:
+    """Compile the CUDA kernels to PTX for sm_80 and sm_90 (libNVVM and NVRTC from pip)."""
+    session.install("-e", ".[cuda,numba]", "cuda-toolkit[nvcc,nvrtc]", *TEST)
+    session.run("pytest", "tests/test_ptx.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the Sphinx site with warnings as errors and run every doctest."""
+    session.install("-e", ".[numba,cli]", "-r", "docs/requirements.txt")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "doctest", "docs", "docs/_build/doctest")
+    session.run(
+        "pytest", "--doctest-modules", "linattn", "-p", "no:cacheprovider", *session.posargs
+    )
+
+
+@nox.session(python=PYTHON, default=False)
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark suites (speed and memory ratios measured in one run)."""
+    session.install("-e", ".[numba,cli]", "pytest>=8", "pytest-benchmark>=4", TORCH)
+    session.run(
+        "pytest", "benchmarks", "--benchmark-only", "-p", "no:randomly", *session.posargs
+    )
+
+
+@nox.session(python=PYTHON, default=False)
+def demo(session: nox.Session) -> None:
+    """The main job: ``linattn demo`` on NumPy + Numba CPU."""
+    session.install("-e", ".[numba,cli]")
+    session.run("linattn", "demo", *session.posargs)

@@ -1,0 +1,187 @@
+"""Backends for the cross-backend suite, chosen by ``$LINATTN_TEST_BACKENDS``.
+
+References are computed once in NumPy float64; each backend then gets the same
+inputs through :meth:`Backend.asarray` and its results are checked with
+:func:`assert_close`, which also checks namespace, device, dtype and shape.
+
+``LINATTN_TEST_BACKENDS`` is a comma-separated list of names from ``BACKENDS``
+(default: every backend whose library is installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import array_api_compat
+import numpy as np
+import pytest
+
+
+@dataclass
+class Backend:
+    """One array library (and device) the suite runs on."""
+
+    name: str
+    module: str
+    make: Callable[[np.ndarray], Any]
+    device: Any = None
+    marks: list[Any] = field(default_factory=list)
+
+    @property
+    def xp(self) -> Any:
+        return array_api_compat.array_namespace(self.asarray(np.zeros(1)))
+
+    def asarray(self, x: np.ndarray | Any, dtype: str | None = None) -> Any:
+        """The backend's copy of a NumPy array, optionally cast to ``dtype`` (a name)."""
+        x = np.asarray(x)
+        if dtype is not None and dtype not in ("bfloat16",):
+            x = x.astype(dtype)
+        out = self.make(x)
+        if dtype == "bfloat16":
+            xp = array_api_compat.array_namespace(out)
+            out = xp.astype(out, xp.bfloat16)
+        return out
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        from linattn._xp import to_host
+
+        if hasattr(x, "dtype") and "bfloat16" in str(x.dtype):
+            xp = array_api_compat.array_namespace(x)
+            x = xp.astype(x, xp.float32)
+        return np.asarray(to_host(x), dtype=np.float64)
+
+
+def _numpy(x: np.ndarray) -> np.ndarray:
+    return np.array(x, copy=True)
+
+
+def _numpy_readonly(x: np.ndarray) -> np.ndarray:
+    y = np.array(x, copy=True)
+    y.setflags(write=False)
+    return y
+
+
+def _strict(x: np.ndarray) -> Any:
+    import array_api_strict as xps
+
+    return xps.asarray(x, device=xps.Device("device1"))
+
+
+def _torch(x: np.ndarray) -> Any:
+    import torch
+
+    return torch.asarray(np.array(x, copy=True))
+
+
+def _jax(x: np.ndarray) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.asarray(x)
+
+
+def _dask(x: np.ndarray) -> Any:
+    import dask.array as da
+
+    chunks = tuple(max(1, (n + 1) // 2) for n in x.shape) if x.ndim else ()
+    return da.from_array(np.array(x, copy=True), chunks=chunks)
+
+
+def _cupy(x: np.ndarray) -> Any:
+    import cupy
+
+    return cupy.asarray(x)
+
+
+def _strict_device() -> Any:
+    import array_api_strict as xps
+
+    return xps.Device("device1")
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in [
+        Backend("numpy", "numpy", _numpy),
+        Backend("numpy_readonly", "numpy", _numpy_readonly),
+        Backend("array_api_strict", "array_api_strict", _strict),
+        Backend("torch", "torch", _torch),
+        Backend("jax", "jax", _jax),
+        Backend("dask", "dask", _dask),
+        Backend("cupy", "cupy", _cupy),
+    ]
+}
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _cupy_usable() -> bool:
+    if not _installed("cupy"):
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def selected_backends() -> list[str]:
+    raw = os.environ.get("LINATTN_TEST_BACKENDS", "")
+    if raw.strip():
+        names = [n.strip() for n in raw.split(",") if n.strip()]
+        unknown = [n for n in names if n not in BACKENDS]
+        if unknown:
+            raise pytest.UsageError(
+                f"LINATTN_TEST_BACKENDS names unknown backends {unknown}; known: {sorted(BACKENDS)}"
+            )
+        return names
+    return [n for n, b in BACKENDS.items() if _installed(b.module) and n != "cupy"] + (
+        ["cupy"] if _cupy_usable() else []
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _installed("jax"):
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+        jax.config.update("jax_platforms", "cpu")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"linattn backends: {', '.join(selected_backends())}"
+
+
+@pytest.fixture(params=selected_backends())
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Every selected backend in turn."""
+    b = BACKENDS[request.param]
+    if b.name == "cupy" and not _cupy_usable():
+        pytest.skip("cupy needs a CUDA GPU")
+    pytest.importorskip(b.module)
+    return b
+
+
+def assert_close(
+    backend: Backend,
+    actual: Any,
+    expected: np.ndarray,
+    *,
+    rtol: float,
+    atol: float = 0.0,
+    dtype: str | None = None,
+) -> None:
+    """``actual`` is the backend's array type, on its device, of ``dtype``, close to ``expected``."""
+    like = backend.asarray(np.zeros(1), dtype=dtype)
+    assert type(actual) is type(like), f"expected {type(like)}, got {type(actual)}"
+    assert array_api_compat.device(actual) == array_api_compat.device(like)
+    if dtype is not None:
+        assert actual.dtype == like.dtype, f"dtype {actual.dtype} != {like.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape)
+    np.testing.assert_allclose(backend.to_numpy(actual), expected, rtol=rtol, atol=atol)
