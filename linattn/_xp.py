@@ -21,6 +21,7 @@ __all__ = [
     "compute_dtype",
     "constant",
     "device_of",
+    "dtype_name",
     "float_dtype",
     "from_host",
     "library_name",
@@ -65,6 +66,11 @@ def device_of(**arrays: Array | None) -> Any:
     devices = {
         name: array_api_compat.device(a) for name, a in arrays.items() if a is not None
     }
+    # Arrays being traced (JAX under jit or grad) report no device: nothing to compare.
+    known = {name: dev for name, dev in devices.items() if dev is not None}
+    if not known:
+        return next(iter(devices.values()))
+    devices = known
     first_name, first = next(iter(devices.items()))
     for name, dev in devices.items():
         if dev != first:
@@ -90,6 +96,13 @@ def compute_dtype(xp: Namespace, dtype: Any) -> Any:
     return xp.float64 if dtype == xp.float64 else xp.float32
 
 
+def dtype_name(dtype: Any) -> str:
+    """``float32`` rather than ``<class 'numpy.float32'>`` for any library's dtype."""
+    if isinstance(dtype, type):
+        return np.dtype(dtype).name
+    return str(dtype)
+
+
 def constant(xp: Namespace, value: float, like: Array) -> Array:
     """A 0-d array holding ``value`` with the dtype and device of ``like``."""
     return xp.asarray(value, dtype=like.dtype, device=array_api_compat.device(like))
@@ -106,9 +119,14 @@ def safe_shift(xp: Namespace, shift: Array) -> Array:
 
 def from_host(xp: Namespace, host: np.ndarray, *, dtype: Any, device: Any) -> Array:
     """Move a NumPy array (drawn on the host) into namespace ``xp`` on ``device``."""
-    if xp.__name__.endswith("dask.array"):
+    if array_api_compat.is_numpy_namespace(xp):
+        return xp.asarray(host, dtype=dtype)
+    # Other libraries may share memory with a NumPy source (and warn on read-only
+    # ones): hand them a private copy so nothing can write into the caller's data.
+    host = np.array(host, copy=True)
+    if array_api_compat.is_dask_namespace(xp):
         # Dask's asarray has no device argument; its chunks live on the host.
-        return xp.asarray(np.asarray(host), dtype=dtype)
+        return xp.asarray(host, dtype=dtype)
     return xp.asarray(host, dtype=dtype, device=device)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._checks import check_attention_inputs, check_chunk_size
-from linattn._xp import Array, compute_dtype, constant, from_host
+from linattn._xp import Array, compute_dtype, constant, dtype_name, from_host
 from linattn.features import FeatureMap, Kind
 from linattn.state import LinearAttentionState, empty_state
 
@@ -342,8 +342,8 @@ def _check_state(
 
     if state.feature_map != feature_map.fingerprint:
         raise ValueError(
-            "state was made by another feature map (fingerprint "
-            f"{state.feature_map}); this call uses {feature_map.fingerprint}"
+            "state was made by another feature map: expected one with fingerprint "
+            f"{feature_map.fingerprint} (this call's feature_map), got {state.feature_map}"
         )
     m, width = feature_map.num_features, info.value_dim + 1
     if state.kv.ndim < 2 or tuple(state.kv.shape[-2:]) != (m, width):
@@ -358,7 +358,7 @@ def _check_state(
         )
     if state.kv.dtype != work or state.log_shift.dtype != work:
         raise TypeError(
-            f"state must hold {work} arrays for these inputs; got kv {state.kv.dtype}, "
+            f"state must hold {dtype_name(work)} arrays for these inputs; got kv {state.kv.dtype}, "
             f"log_shift {state.log_shift.dtype}"
         )
     return broadcast_shapes({"inputs": info.batch_shape, "state": tuple(state.kv.shape[:-2])})

@@ -1,0 +1,415 @@
+"""The studies behind ``linattn accuracy``, ``bench`` and ``demo``: plain functions, no I/O.
+
+The accuracy study is the seed's experiment done right (``MATH.md`` section 7):
+fixed data ``Q, K ~ scale * N(0, 1)``, ``V ~ N(0, 1)``, one exact reference in
+NumPy float64, and the error of each estimator averaged over independent
+projection draws.  The benchmark times exact and linear attention as the
+sequence grows and finds the length where linear attention starts to win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+import linattn as la
+from linattn._cli_backends import ArrayLibrary
+from linattn._xp import to_host
+
+__all__ = [
+    "AccuracyRow",
+    "BenchRow",
+    "Crossover",
+    "Estimator",
+    "accuracy_study",
+    "benchmark",
+    "crossovers",
+    "fitted_slope",
+    "parse_estimator",
+    "random_kinds",
+]
+
+Step = Callable[[], None]
+
+
+def _no_step() -> None:
+    return None
+
+
+# -- estimators ---------------------------------------------------------------------
+
+
+def random_kinds() -> list[str]:
+    """The feature kinds that estimate softmax attention with a random projection."""
+    return [kind for kind, (random, _) in la.KINDS.items() if random]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A random-feature estimator: a feature kind with iid or orthogonal projections."""
+
+    kind: str
+    orthogonal: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}-{'orf' if self.orthogonal else 'iid'}"
+
+    def feature_map(self, head_dim: int, num_features: int, seed: int) -> la.FeatureMap:
+        return la.FeatureMap(
+            head_dim,
+            num_features,
+            kind=self.kind,  # type: ignore[arg-type]
+            orthogonal=self.orthogonal,
+            seed=seed,
+        )
+
+
+def parse_estimator(text: str) -> Estimator:
+    """``"KIND-orf"`` or ``"KIND-iid"`` (``"KIND"`` alone means orthogonal).
+
+    Examples
+    --------
+    >>> parse_estimator("positive-iid").label
+    'positive-iid'
+    >>> parse_estimator("hyperbolic")
+    Estimator(kind='hyperbolic', orthogonal=True)
+    """
+    kind, _, projection = text.strip().rpartition("-")
+    if not kind or projection not in ("orf", "iid"):
+        kind, projection = text.strip(), "orf"
+    kinds = random_kinds()
+    if kind not in kinds:
+        choices = ", ".join(f"{k}-orf, {k}-iid" for k in kinds)
+        raise ValueError(f"unknown estimator {text!r}; choose from {choices}")
+    return Estimator(kind, projection == "orf")
+
+
+# -- accuracy -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccuracyRow:
+    """Error of one estimator at one feature count, over ``draws`` projection draws."""
+
+    estimator: str
+    num_features: int
+    metric: str
+    mean: float
+    standard_error: float
+    std: float
+    draws: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+METRICS = {
+    "mse": "attention output MSE vs exact",
+    "tv": "total variation of attention rows vs exact",
+}
+
+
+def seed_data(
+    length: int, head_dim: int, scale: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``Q, K ~ scale * N(0, 1)`` and ``V ~ N(0, 1)``, float64, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    q = scale * rng.standard_normal((length, head_dim))
+    k = scale * rng.standard_normal((length, head_dim))
+    v = rng.standard_normal((length, head_dim))
+    return q, k, v
+
+
+def _attention_weights(
+    feature_map: la.FeatureMap, q: np.ndarray, k: np.ndarray, causal: bool
+) -> np.ndarray:
+    """The estimated attention matrix, rows normalised, computed stably in float64."""
+    log_q, sign_q = feature_map.signed_log_features(q)
+    log_k, sign_k = feature_map.signed_log_features(k)
+    # A per-row shift of the queries and one global shift of the keys cancel on
+    # normalisation (a per-feature key shift would not).
+    phi_q = np.exp(log_q - log_q.max(axis=-1, keepdims=True))
+    phi_k = np.exp(log_k - log_k.max())
+    if sign_q is not None:
+        phi_q, phi_k = sign_q * phi_q, sign_k * phi_k
+    weights = phi_q @ phi_k.T
+    if causal:
+        weights = np.tril(weights)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def _exact_weights(q: np.ndarray, k: np.ndarray, scale: float, causal: bool) -> np.ndarray:
+    logits = scale * (q @ k.T)
+    if causal:
+        logits = np.where(np.tri(len(q), len(k), dtype=bool), logits, -np.inf)
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def accuracy_study(
+    library: ArrayLibrary,
+    estimators: Sequence[Estimator],
+    num_features: Sequence[int],
+    *,
+    length: int = 64,
+    head_dim: int = 32,
+    input_scale: float = 0.3,
+    draws: int = 50,
+    data_seed: int = 0,
+    causal: bool = False,
+    on_step: Step = _no_step,
+) -> list[AccuracyRow]:
+    """Error of each estimator against exact softmax attention, per feature count.
+
+    One fixed data set; projections drawn with seeds ``0 .. draws - 1``.  Linear
+    attention runs on ``library`` (the error includes its rounding); the exact
+    reference is NumPy float64.  ``on_step`` is called once per projection draw.
+
+    Examples
+    --------
+    >>> from linattn._cli_backends import load_library
+    >>> rows = accuracy_study(
+    ...     load_library("numpy", "float64"), [parse_estimator("positive-orf")], [16, 64],
+    ...     length=16, head_dim=8, draws=4)
+    >>> [(r.num_features, r.metric) for r in rows]
+    [(16, 'mse'), (16, 'tv'), (64, 'mse'), (64, 'tv')]
+    """
+    with _one_blas_thread():
+        return _accuracy_study(
+            library,
+            estimators,
+            num_features,
+            length=length,
+            head_dim=head_dim,
+            input_scale=input_scale,
+            draws=draws,
+            data_seed=data_seed,
+            causal=causal,
+            on_step=on_step,
+        )
+
+
+def _one_blas_thread() -> Any:
+    """One BLAS thread for the study's small matrices: threads only contend there."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def _accuracy_study(
+    library: ArrayLibrary,
+    estimators: Sequence[Estimator],
+    num_features: Sequence[int],
+    *,
+    length: int,
+    head_dim: int,
+    input_scale: float,
+    draws: int,
+    data_seed: int,
+    causal: bool,
+    on_step: Step,
+) -> list[AccuracyRow]:
+    q, k, v = seed_data(length, head_dim, input_scale, data_seed)
+    exact = la.softmax_attention(q, k, v, causal=causal)
+    exact_weights = _exact_weights(q, k, 1.0 / math.sqrt(head_dim), causal)
+    q_lib, k_lib, v_lib = (library.asarray(a) for a in (q, k, v))
+    rows = []
+    for estimator in estimators:
+        for m in num_features:
+            errors: dict[str, list[float]] = {metric: [] for metric in METRICS}
+            for seed in range(draws):
+                feature_map = estimator.feature_map(head_dim, m, seed)
+                out = la.linear_attention(q_lib, k_lib, v_lib, feature_map, causal=causal)
+                out = np.asarray(to_host(out), dtype=np.float64)
+                errors["mse"].append(float(np.mean((out - exact) ** 2)))
+                weights = _attention_weights(feature_map, q, k, causal)
+                tv = 0.5 * np.abs(weights - exact_weights).sum(axis=-1)
+                errors["tv"].append(float(tv.mean()))
+                on_step()
+            for metric, values in errors.items():
+                sample = np.asarray(values)
+                std = float(sample.std(ddof=1)) if draws > 1 else 0.0
+                rows.append(
+                    AccuracyRow(
+                        estimator=estimator.label,
+                        num_features=m,
+                        metric=metric,
+                        mean=float(sample.mean()),
+                        standard_error=std / math.sqrt(draws),
+                        std=std,
+                        draws=draws,
+                    )
+                )
+    return rows
+
+
+def fitted_slope(rows: Sequence[AccuracyRow], estimator: str, metric: str = "mse") -> float:
+    """Least-squares slope of log(mean error) against log(m); NaN with fewer than 2 points."""
+    points = [
+        (r.num_features, r.mean)
+        for r in rows
+        if r.estimator == estimator and r.metric == metric and r.mean > 0
+    ]
+    if len({m for m, _ in points}) < 2:
+        return math.nan
+    x, y = np.log([p[0] for p in points]), np.log([p[1] for p in points])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+# -- speed and memory ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """Best time and peak memory of one method and mode at one sequence length."""
+
+    length: int
+    method: str
+    mode: str
+    seconds: float | None
+    peak_bytes: int | None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+METHODS = ("exact", "linear")
+MODES = ("bidirectional", "causal")
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    """The workload: ``(batch, heads, L, head_dim)`` inputs and the feature map of linear."""
+
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    num_features: int = 256
+    kind: str = "positive"
+    dtype: str = "float32"
+    repeats: int = 3
+    max_exact_length: int = 4096
+    seed: int = 0
+
+
+def benchmark(
+    library: ArrayLibrary,
+    lengths: Sequence[int],
+    setup: BenchSetup,
+    *,
+    methods: Sequence[str] = METHODS,
+    modes: Sequence[str] = MODES,
+    on_step: Step = _no_step,
+) -> list[BenchRow]:
+    """Time (best of ``setup.repeats``) and peak memory for each length, method and mode.
+
+    Each method and mode is called once before timing at the first length (and at
+    every length for JAX, which compiles per shape), so compile time is excluded.
+    Peak memory comes from one extra call under ``library.peak_memory``.
+    ``on_step`` is called once per (length, method, mode).
+    """
+    feature_map = la.FeatureMap(
+        setup.head_dim,
+        setup.num_features,
+        kind=setup.kind,  # type: ignore[arg-type]
+        seed=setup.seed,
+    )
+    rng = np.random.default_rng(setup.seed)
+    warmed: set[tuple[str, str]] = set()
+    rows = []
+    for length in lengths:
+        shape = (setup.batch, setup.heads, length, setup.head_dim)
+        q, k, v = (library.asarray(0.5 * rng.standard_normal(shape)) for _ in range(3))
+        for method in methods:
+            for mode in modes:
+                if method == "exact" and length > setup.max_exact_length:
+                    rows.append(
+                        BenchRow(length, method, mode, None, None, "skipped: > max exact length")
+                    )
+                    on_step()
+                    continue
+                call = _attention_call(method, mode == "causal", q, k, v, feature_map)
+                if (method, mode) not in warmed or library.name == "jax":
+                    library.wait(call())
+                    warmed.add((method, mode))
+                best = math.inf
+                for _ in range(setup.repeats):
+                    start = time.perf_counter()
+                    library.wait(call())
+                    best = min(best, time.perf_counter() - start)
+                gc.collect()
+                with library.peak_memory() as peak:
+                    out = call()
+                    library.wait(out)
+                    del out
+                rows.append(BenchRow(length, method, mode, best, peak.bytes))
+                on_step()
+        del q, k, v
+        gc.collect()
+    return rows
+
+
+def _attention_call(
+    method: str, causal: bool, q: Any, k: Any, v: Any, feature_map: la.FeatureMap
+) -> Callable[[], Any]:
+    if method == "exact":
+        return lambda: la.softmax_attention(q, k, v, causal=causal)
+    return lambda: la.linear_attention(q, k, v, feature_map, causal=causal)
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where linear attention starts to beat exact attention in one quantity."""
+
+    mode: str
+    quantity: str
+    length: float | None
+    text: str
+
+
+def _crossing(points: list[tuple[int, float]]) -> tuple[float | None, str]:
+    """First length where the ratio linear/exact drops below 1, interpolated in log-log."""
+    if not points:
+        return None, "not measured"
+    for i, (length, ratio) in enumerate(points):
+        if ratio < 1:
+            if i == 0:
+                return None, f"≤ {length} (linear wins at every length measured)"
+            before, ratio_before = points[i - 1]
+            frac = math.log(ratio_before) / (math.log(ratio_before) - math.log(ratio))
+            value = math.exp(math.log(before) + frac * (math.log(length) - math.log(before)))
+            return value, f"≈ {value:,.0f}"
+    return None, f"> {points[-1][0]} (exact wins at every length measured)"
+
+
+def crossovers(rows: Sequence[BenchRow]) -> list[Crossover]:
+    """Crossover lengths for time and memory, bidirectional and causal."""
+    found = []
+    for mode in MODES:
+        for quantity, field in (("time", "seconds"), ("peak memory", "peak_bytes")):
+            table: dict[tuple[str, int], float] = {}
+            for r in rows:
+                value = getattr(r, field)
+                if r.mode == mode and value is not None:
+                    table[(r.method, r.length)] = float(value)
+            points = [
+                (length, max(table[("linear", length)] / table[("exact", length)], 1e-12))
+                for length in sorted({r.length for r in rows})
+                if ("linear", length) in table and table.get(("exact", length), 0) > 0
+            ]
+            if not points and not any(r.mode == mode for r in rows):
+                continue
+            length, text = _crossing(points)
+            found.append(Crossover(mode, quantity, length, text))
+    return found

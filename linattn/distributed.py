@@ -1,0 +1,570 @@
+"""Batch- and sequence-parallel linear attention on Dask arrays.
+
+Two ways to spread linear attention over a Dask cluster (``MATH.md`` sections 3-4):
+
+* :func:`batch_parallel_attention` -- data parallelism.  Whole sequences are the unit
+  of work: the leading (batch, head) axes keep their chunks, each block runs
+  :func:`linattn.linear_attention` on the worker (with the compiled kernel where one
+  serves the block's array type), and no block talks to another.
+* :func:`sequence_parallel_attention` -- sequence (context) parallelism for sequences
+  longer than one worker holds.  Each sequence chunk reduces its keys to the
+  stabilised state ``(S, mu)`` of :mod:`linattn.state`, of size ``m x (d_v + 1)``
+  whatever the chunk length; the states meet in a task graph built from the
+  associative :func:`linattn.state.combine` -- a tree reduction (bidirectional) or a
+  work-efficient exclusive scan (causal) -- and every chunk then computes its
+  outputs from the state of everything before it (causal) or of all keys
+  (bidirectional).
+
+Work per task is ``O(chunk (m + d) d)`` and traffic ``O(n_chunks m d)``: no task ever
+holds more than one chunk of the sequence.  Both functions are lazy (they only build
+a graph) and run on any Dask scheduler, the default threads one or a
+``dask.distributed.Client``.
+
+On the wire a state travels packed as one array ``[S | mu]`` of shape
+``(..., 1, m, d_v + 2)``, and the feature map as a :class:`_FeatureMapSpec` graph key
+shared by all tasks (rebuilt, once per process, on the worker).
+
+This module is not imported by :mod:`linattn`; it needs ``dask[array]``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from linattn import _dispatch
+from linattn._checks import AttentionInputs, check_attention_inputs, check_chunk_size
+from linattn._xp import Array, Namespace, compute_dtype, constant
+from linattn.attention import DEFAULT_CHUNK_SIZE, linear_attention
+from linattn.causal import normalise, readout
+from linattn.features import FeatureMap
+from linattn.state import LinearAttentionState, absorb_keys, combine, empty_state
+
+__all__ = ["batch_parallel_attention", "sequence_parallel_attention"]
+
+
+def batch_parallel_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    backend: str | None = None,
+) -> Array:
+    """Linear attention with whole sequences as the unit of work (data parallelism).
+
+    The leading axes keep the chunks of ``q`` (after broadcasting against ``k``, ``v``
+    and ``key_mask``); the sequence and feature axes are gathered into one chunk, so
+    each task holds whole sequences of its block of the batch and calls
+    :func:`linattn.linear_attention` on them.
+
+    Parameters
+    ----------
+    q : dask array, shape ``(..., L_q, d)``
+    k : dask array, shape ``(..., L_k, d)``
+    v : dask array, shape ``(..., L_k, d_v)``
+        Leading dimensions broadcast.  Other arrays (NumPy, CuPy) are wrapped with
+        ``dask.array.asarray``.  Inputs are promoted to one floating dtype.
+    feature_map : FeatureMap
+        The features; ``feature_map.head_dim`` must equal ``d``.
+    causal, key_mask, chunk_size, backend
+        As for :func:`linattn.linear_attention`; ``backend`` chooses who runs each
+        block on the workers.
+
+    Returns
+    -------
+    dask array, shape ``(..., L_q, d_v)``
+        Lazy; chunked like ``q`` along the leading axes.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> from linattn.distributed import batch_parallel_attention
+    >>> x = np.random.default_rng(0).normal(size=(4, 32, 8))
+    >>> q = da.from_array(x, chunks=(1, 32, 8))  # one sequence per task
+    >>> fm = la.FeatureMap(8, 16, seed=0)
+    >>> out = batch_parallel_attention(q, q, q, fm, causal=True)
+    >>> out.chunks
+    ((1, 1, 1, 1), (32,), (8,))
+    >>> bool(np.allclose(out.compute(), la.linear_attention(x, x, x, fm, causal=True)))
+    True
+    """
+    inputs = _prepare(q, k, v, key_mask, feature_map, causal, chunk_size, backend)
+    whole = {-2: -1, -1: -1}
+    q, k, v = (a.rechunk(whole) for a in (inputs.q, inputs.k, inputs.v))
+    mask = None if inputs.key_mask is None else inputs.key_mask.rechunk({-1: -1})
+    batch = _batch_index(inputs.info)
+    args = [q, (*batch, "i", "d"), k, (*batch, "j", "d"), v, (*batch, "j", "e")]
+    if mask is not None:
+        args += [mask, (*batch, "j")]
+    return _blockwise(
+        _batch_block,
+        (*batch, "i", "e"),
+        *args,
+        name="linattn-batch-parallel",
+        meta_like=q,
+        dtype=inputs.info.dtype,
+        feature_map=inputs.spec,
+        causal=causal,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+
+
+def sequence_parallel_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    sequence_chunks: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    backend: str | None = None,
+) -> Array:
+    """Linear attention with the sequence axis split across tasks (sequence parallelism).
+
+    Each sequence chunk reduces its keys to a state ``(S, mu)`` of size
+    ``m x (d_v + 1)``.  Bidirectional: the chunk states are combined by a tree
+    reduction and the total is broadcast to every query chunk.  Causal: an exclusive
+    scan over the chunk states gives each chunk the state of all tokens before it,
+    from which it computes its outputs with ``linear_attention(..., state=...)``.
+    Both use the stabilised, associative :func:`linattn.state.combine`, so the
+    result equals the in-memory computation up to rounding.
+
+    Parameters
+    ----------
+    q : dask array, shape ``(..., L_q, d)``
+    k : dask array, shape ``(..., L_k, d)``
+    v : dask array, shape ``(..., L_k, d_v)``
+        Leading dimensions broadcast.  Other arrays (NumPy, CuPy) are wrapped with
+        ``dask.array.asarray``.  Inputs are promoted to one floating dtype.
+    feature_map : FeatureMap
+        The features; ``feature_map.head_dim`` must equal ``d``.
+    causal : bool, default False
+        Query ``i`` attends to keys ``j <= i`` (needs ``L_q == L_k``).
+    key_mask : boolean dask array, shape ``(..., L_k)``, optional
+        True for keys that take part.
+    sequence_chunks : int, optional
+        Tokens per sequence chunk (one task each).  Default: the chunks ``q`` (and,
+        bidirectional, ``k``) already have along the sequence axis; causal
+        attention gives ``k``, ``v`` and ``key_mask`` the sequence chunks of ``q``.
+    chunk_size, backend
+        As for :func:`linattn.linear_attention`, inside each sequence chunk.
+
+    Returns
+    -------
+    dask array, shape ``(..., L_q, d_v)``
+        Lazy; chunked like ``q`` along the leading and sequence axes.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> from linattn.distributed import sequence_parallel_attention
+    >>> x = np.random.default_rng(0).normal(size=(2, 1000, 8))
+    >>> q = da.from_array(x, chunks=(2, 300, 8))  # four sequence chunks
+    >>> fm = la.FeatureMap(8, 16, seed=0)
+    >>> out = sequence_parallel_attention(q, q, q, fm, causal=True)
+    >>> out.chunks
+    ((2,), (300, 300, 300, 100), (8,))
+    >>> expected = la.linear_attention(x, x, x, fm, causal=True)
+    >>> bool(np.abs(out.compute() - expected).max() < 1e-12)
+    True
+    """
+    inputs = _prepare(q, k, v, key_mask, feature_map, causal, chunk_size, backend, sequence_chunks)
+    info, spec = inputs.info, inputs.spec
+    batch = _batch_index(info)
+    # The key side: one stabilised state per (batch block, sequence chunk).
+    key_args = [inputs.k, (*batch, "j", "d"), inputs.v, (*batch, "j", "e")]
+    if inputs.key_mask is not None:
+        key_args += [inputs.key_mask, (*batch, "j")]
+    width = info.value_dim + 2
+    states = _blockwise(
+        _chunk_state,
+        (*batch, "j", "m", "f"),
+        *key_args,
+        name="linattn-chunk-state",
+        meta_like=inputs.k,
+        dtype=inputs.work_dtype,
+        new_axes={"m": feature_map.num_features, "f": width},
+        adjust_chunks={"j": 1},
+        feature_map=spec,
+    )
+    chunk_states = [
+        states.blocks[(slice(None),) * len(batch) + (j,)]
+        for j in range(states.numblocks[len(batch)])
+    ]
+    if not causal:
+        total = _tree_reduce(chunk_states)
+        return _blockwise(
+            _bidirectional_block,
+            (*batch, "i", "e"),
+            inputs.q,
+            (*batch, "i", "d"),
+            total[(..., 0, slice(None), slice(None))],
+            (*batch, "m", "f"),
+            name="linattn-broadcast-outputs",
+            meta_like=inputs.q,
+            dtype=info.dtype,
+            new_axes={"e": info.value_dim},
+            align_arrays=False,
+            feature_map=spec,
+        )
+    import dask.array as da
+
+    incoming = da.concatenate(_exclusive_scan(chunk_states), axis=len(batch))
+    return _blockwise(
+        _causal_block,
+        (*batch, "j", "e"),
+        inputs.q,
+        (*batch, "j", "d"),
+        *key_args,
+        incoming,
+        (*batch, "j", "m", "f"),
+        name="linattn-chunk-outputs",
+        meta_like=inputs.q,
+        dtype=info.dtype,
+        align_arrays=False,
+        feature_map=spec,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+
+
+# -- input preparation -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FeatureMapSpec:
+    """What rebuilds a :class:`FeatureMap` in another process (same fingerprint).
+
+    Sent instead of the map itself: one graph key shared by every task.
+    """
+
+    kind: str
+    head_dim: int
+    num_features: int
+    scale: float
+    projection: np.ndarray | None
+    fingerprint: str
+
+    @classmethod
+    def of(cls, feature_map: FeatureMap) -> _FeatureMapSpec:
+        return cls(
+            kind=feature_map.kind,
+            head_dim=feature_map.head_dim,
+            num_features=feature_map.num_features,
+            scale=feature_map.scale,
+            projection=feature_map.projection,
+            fingerprint=feature_map.fingerprint,
+        )
+
+    def build(self) -> FeatureMap:
+        with _BUILT_LOCK:
+            built = _BUILT.get(self.fingerprint)
+            if built is None:
+                if self.projection is None:
+                    built = FeatureMap(
+                        self.head_dim, self.num_features, kind=self.kind, scale=self.scale
+                    )  # type: ignore[arg-type]
+                else:
+                    built = FeatureMap.from_projection(
+                        self.projection,
+                        kind=self.kind,  # type: ignore[arg-type]
+                        scale=self.scale,
+                    )
+                if built.fingerprint != self.fingerprint:  # pragma: no cover - a core change
+                    raise RuntimeError(
+                        f"rebuilt feature map has fingerprint {built.fingerprint}, "
+                        f"expected {self.fingerprint}"
+                    )
+                _BUILT[self.fingerprint] = built
+            return built
+
+
+_BUILT: dict[str, FeatureMap] = {}
+_BUILT_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    q: Any
+    k: Any
+    v: Any
+    key_mask: Any
+    info: AttentionInputs
+    work_dtype: Any
+    spec: Any  # a Delayed holding a _FeatureMapSpec
+
+
+def _prepare(
+    q: Array,
+    k: Array,
+    v: Array,
+    key_mask: Array | None,
+    feature_map: FeatureMap,
+    causal: bool,
+    chunk_size: int,
+    backend: str | None,
+    sequence_chunks: int | None = None,
+) -> _Inputs:
+    """Check everything, then broadcast, promote and chunk the inputs consistently."""
+    import dask
+    import dask.array as da
+
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(
+            f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
+        )
+    named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
+    arrays = {}
+    for name, x in named.items():
+        if x is None:
+            continue
+        if not array_api_compat.is_array_api_obj(x):
+            raise TypeError(
+                f"{name} must be a Dask array (or an array Dask can wrap); got {type(x).__name__}"
+            )
+        x = x if isinstance(x, da.Array) else da.asarray(x)
+        if any(math.isnan(n) for n in x.shape):
+            raise ValueError(
+                f"{name} must have known chunk sizes; got shape {x.shape} "
+                "(call compute_chunk_sizes() first)"
+            )
+        arrays[name] = x
+    info = check_attention_inputs(
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        key_mask=arrays.get("key_mask"),
+        causal=causal,
+        head_dim=feature_map.head_dim,
+    )
+    check_chunk_size(chunk_size)
+    _dispatch.resolve_backend(backend)
+    if sequence_chunks is not None and (
+        isinstance(sequence_chunks, bool)
+        or not isinstance(sequence_chunks, int | np.integer)
+        or sequence_chunks < 1
+    ):
+        raise ValueError(
+            f"sequence_chunks must be a positive integer or None; got {sequence_chunks!r}"
+        )
+
+    batch = info.batch_shape
+
+    def full(x: Any, tail: tuple[int, ...]) -> Any:
+        return da.broadcast_to(x, (*batch, *tail))
+
+    q = full(arrays["q"].astype(info.dtype), arrays["q"].shape[-2:])
+    k = full(arrays["k"].astype(info.dtype), arrays["k"].shape[-2:])
+    v = full(arrays["v"].astype(info.dtype), arrays["v"].shape[-2:])
+    mask = None
+    if "key_mask" in arrays:
+        mask = full(arrays["key_mask"], (info.key_length,))
+    nb = len(batch)
+    # Feature axes in one chunk; sequence axes as asked; batch chunks unified below.
+    sequence = {} if sequence_chunks is None else {nb: int(sequence_chunks)}
+    q = q.rechunk({**sequence, nb + 1: -1})
+    k = k.rechunk({**({nb: q.chunks[nb]} if causal else sequence), nb + 1: -1})
+    v = v.rechunk({nb: k.chunks[nb], nb + 1: -1})
+    if mask is not None:
+        mask = mask.rechunk({nb: k.chunks[nb]})
+    # Batch axes: the chunks of q; sequence axis: one index for queries and keys when causal.
+    batch_index = "".join(_batch_index(info))
+    qi = "j" if causal else "i"
+    pairs: list[Any] = [q, f"{batch_index}{qi}d", k, f"{batch_index}jd", v, f"{batch_index}je"]
+    if mask is not None:
+        pairs += [mask, f"{batch_index}j"]
+    _, unified = da.core.unify_chunks(*pairs)
+    q, k, v = unified[:3]
+    mask = unified[3] if mask is not None else None
+    spec = dask.delayed(_FeatureMapSpec.of(feature_map), pure=True)
+    return _Inputs(q, k, v, mask, info, compute_dtype(np, np.dtype(info.dtype)), spec)
+
+
+def _batch_index(info: AttentionInputs) -> tuple[str, ...]:
+    """Blockwise index letters for the leading axes (``j`` ... ``m`` are taken)."""
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    if len(info.batch_shape) > len(letters):
+        raise ValueError(
+            f"q, k and v may have at most {len(letters)} leading dimensions; "
+            f"got {len(info.batch_shape)}"
+        )
+    return tuple(letters[: len(info.batch_shape)])
+
+
+def _blockwise(
+    func: Any,
+    out_ind: tuple[str, ...],
+    *args: Any,
+    name: str,
+    meta_like: Any,
+    dtype: Any,
+    **kwargs: Any,
+) -> Any:
+    """``dask.array.blockwise`` with our defaults: whole contracted blocks, explicit meta."""
+    import dask.array as da
+    from dask.array.utils import meta_from_array
+
+    options = {
+        key: kwargs.pop(key)
+        for key in ("new_axes", "adjust_chunks", "align_arrays")
+        if key in kwargs
+    }
+    return da.blockwise(
+        func,
+        "".join(out_ind),
+        *[a if i % 2 == 0 else "".join(a) for i, a in enumerate(args)],
+        token=name,
+        concatenate=True,
+        meta=meta_from_array(meta_like, ndim=len(out_ind), dtype=dtype),
+        **options,
+        **kwargs,
+    )
+
+
+# -- the state graph -------------------------------------------------------------------
+
+
+def _tree_reduce(states: list[Any]) -> Any:
+    """Combine all chunk states pairwise, ``log2(n)`` levels deep."""
+    while len(states) > 1:
+        paired = [_combine(states[i], states[i + 1]) for i in range(0, len(states) - 1, 2)]
+        states = paired + states[len(states) - len(states) % 2 :]
+    return states[0]
+
+
+def _exclusive_scan(states: list[Any]) -> list[Any]:
+    """State of everything *before* each chunk: a work-efficient parallel prefix scan.
+
+    Pairs neighbours, scans the pairs recursively and fills in the odd positions:
+    about ``2 n`` combines, ``2 log2(n)`` levels deep.
+    """
+    prefixes = _scan_prefixes(states)
+    empty = _map_state(_empty_packed, states[0], name="linattn-empty-state")
+    return [empty if p is None else p for p in prefixes]
+
+
+def _scan_prefixes(states: list[Any]) -> list[Any | None]:
+    """Exclusive prefixes, ``None`` standing for the empty state."""
+    if len(states) == 1:
+        return [None]
+    pairs = [_combine(states[i], states[i + 1]) for i in range(0, len(states) - 1, 2)]
+    if len(states) % 2:
+        pairs.append(states[-1])
+    before_pair = _scan_prefixes(pairs)
+    prefixes: list[Any | None] = []
+    for i in range(len(states)):
+        before = before_pair[i // 2]
+        if i % 2 == 0:
+            prefixes.append(before)
+        else:
+            prefixes.append(states[i - 1] if before is None else _combine(before, states[i - 1]))
+    return prefixes
+
+
+def _combine(first: Any, second: Any) -> Any:
+    return _map_state(_combine_packed, first, second, name="linattn-combine")
+
+
+def _map_state(func: Any, *states: Any, name: str) -> Any:
+    import dask.array as da
+
+    return da.map_blocks(func, *states, dtype=states[0].dtype, token=name)
+
+
+# -- what the workers run --------------------------------------------------------------
+
+
+def _batch_block(
+    q: Array, k: Array, v: Array, *mask: Array, feature_map: Any, causal: bool, **options: Any
+) -> Array:
+    return linear_attention(
+        q,
+        k,
+        v,
+        feature_map.build(),
+        causal=causal,
+        key_mask=mask[0] if mask else None,
+        **options,
+    )
+
+
+def _chunk_state(k: Array, v: Array, *mask: Array, feature_map: Any) -> Array:
+    """The packed state ``[S | mu]`` of one chunk of keys, shape ``(..., 1, m, d_v + 2)``."""
+    fm = feature_map.build()
+    xp = array_api_compat.array_namespace(k)
+    log_phi_k, sign_k = fm.signed_log_features(k)
+    if mask:
+        log_phi_k = xp.where(mask[0][..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
+    values = xp.astype(v, log_phi_k.dtype)
+    values_aug = xp.concat([values, xp.ones_like(values[..., :1])], axis=-1)
+    kv, log_shift = empty_state(
+        xp, tuple(k.shape[:-2]), fm.num_features, int(v.shape[-1]), log_phi_k
+    )
+    kv, log_shift = absorb_keys(xp, kv, log_shift, log_phi_k, sign_k, values_aug)
+    return _pack(xp, kv, log_shift)[..., None, :, :]
+
+
+def _bidirectional_block(q: Array, total: Array, *, feature_map: Any) -> Array:
+    """Outputs of one query chunk from the state of all keys."""
+    fm = feature_map.build()
+    xp = array_api_compat.array_namespace(q)
+    kv, log_shift = _unpack(total)
+    log_phi_q, sign_q = fm.signed_log_features(q)
+    return xp.astype(normalise(xp, readout(xp, kv, log_shift, log_phi_q, sign_q)), q.dtype)
+
+
+def _causal_block(
+    q: Array, k: Array, v: Array, *rest: Array, feature_map: Any, **options: Any
+) -> Array:
+    """Outputs of one sequence chunk, continuing from the state of all earlier chunks."""
+    *mask, incoming = rest
+    fm = feature_map.build()
+    kv, log_shift = _unpack(incoming[..., 0, :, :])
+    state = LinearAttentionState(kv=kv, log_shift=log_shift, feature_map=fm.fingerprint)
+    return linear_attention(
+        q,
+        k,
+        v,
+        fm,
+        causal=True,
+        key_mask=mask[0] if mask else None,
+        state=state,
+        **options,
+    )
+
+
+def _combine_packed(first: Array, second: Array) -> Array:
+    xp = array_api_compat.array_namespace(first)
+    return _pack(xp, *combine(xp, _unpack(first), _unpack(second)))
+
+
+def _empty_packed(like: Array) -> Array:
+    xp = array_api_compat.array_namespace(like)
+    kv, log_shift = _unpack(like)
+    return _pack(xp, xp.zeros_like(kv), xp.full_like(log_shift, -math.inf))
+
+
+def _pack(xp: Namespace, kv: Array, log_shift: Array) -> Array:
+    return xp.concat([kv, log_shift[..., None]], axis=-1)
+
+
+def _unpack(packed: Array) -> tuple[Array, Array]:
+    return packed[..., :-1], packed[..., -1]

@@ -1,0 +1,281 @@
+"""Every public attention function on every backend against NumPy float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import Backend, assert_close
+from reference import linear_reference, softmax_reference
+
+import linattn as la
+
+RNG = np.random.default_rng(1234)
+# Broadcasting leading axes: q has a batch axis of 2, k/v a head axis of 3.
+Q = 0.5 * RNG.normal(size=(2, 1, 13, 8))
+K = 0.5 * RNG.normal(size=(1, 3, 13, 8))
+V = RNG.normal(size=(1, 3, 13, 6))
+MASK = RNG.random(size=(2, 1, 13)) > 0.3
+KINDS = ["positive", "hyperbolic", "trigonometric", "random_relu", "elu", "relu"]
+
+
+def _map(kind: str, d: int = 8, m: int = 16, seed: int = 0) -> la.FeatureMap:
+    return la.FeatureMap(d, d if kind in ("elu", "relu") else m, kind=kind, seed=seed)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_attention(backend: Backend, causal: bool, masked: bool) -> None:
+    mask = MASK if masked else None
+    out = la.softmax_attention(
+        backend.asarray(Q),
+        backend.asarray(K),
+        backend.asarray(V),
+        causal=causal,
+        key_mask=None if mask is None else backend.asarray(mask),
+    )
+    expected = softmax_reference(Q, K, V, causal=causal, key_mask=mask)
+    assert_close(backend, out, expected, rtol=1e-12, atol=1e-14, dtype="float64")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_linear_attention_matches_reference(
+    backend: Backend, kind: str, causal: bool, masked: bool
+) -> None:
+    fm = _map(kind)
+    mask = MASK if masked else None
+    out = la.linear_attention(
+        backend.asarray(Q),
+        backend.asarray(K),
+        backend.asarray(V),
+        fm,
+        causal=causal,
+        key_mask=None if mask is None else backend.asarray(mask),
+        chunk_size=4,
+    )
+    expected = linear_reference(Q, K, V, fm, causal=causal, key_mask=mask)
+    # Trigonometric denominators can be small: compare at the conditioning they allow.
+    rtol = 1e-7 if kind == "trigonometric" else 1e-10
+    assert_close(backend, out, expected, rtol=rtol, atol=1e-12, dtype="float64")
+
+
+def test_queries_and_keys_of_different_lengths(backend: Backend) -> None:
+    fm = _map("positive")
+    q = Q[..., :5, :]
+    out = la.linear_attention(backend.asarray(q), backend.asarray(K), backend.asarray(V), fm)
+    assert_close(backend, out, linear_reference(q, K, V, fm), rtol=1e-10, dtype="float64")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32(backend: Backend, causal: bool) -> None:
+    fm = _map("hyperbolic")
+    out = la.linear_attention(
+        *(backend.asarray(a, dtype="float32") for a in (Q, K, V)), fm, causal=causal
+    )
+    expected = linear_reference(Q, K, V, fm, causal=causal)
+    # float32 rounding (eps 6e-8) grown by sums over m features and L keys.
+    assert_close(backend, out, expected, rtol=2e-5, atol=2e-6, dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_in_and_out(backend: Backend, dtype: str) -> None:
+    xp = backend.xp
+    if not hasattr(xp, dtype):
+        pytest.skip(f"{backend.name} has no {dtype}")
+    fm = _map("positive")
+    args = [backend.asarray(a, dtype=dtype) for a in (Q, K, V)]
+    rounded = [backend.to_numpy(a) for a in args]
+    out = la.linear_attention(*args, fm, causal=True)
+    assert out.dtype == getattr(xp, dtype)
+    expected = linear_reference(*rounded, fm, causal=True)
+    # The state is float32; only the final rounding to the half type remains.
+    eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
+    np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=2 * eps, atol=2 * eps)
+
+
+def test_favor_attention_is_linear_attention_with_a_fresh_map(backend: Backend) -> None:
+    args = [backend.asarray(a) for a in (Q, K, V)]
+    out = la.favor_attention(*args, num_features=32, kind="hyperbolic", causal=True, seed=5)
+    fm = la.FeatureMap(8, 32, kind="hyperbolic", seed=5)
+    expected = linear_reference(Q, K, V, fm, causal=True)
+    assert_close(backend, out, expected, rtol=1e-10, dtype="float64")
+
+
+def test_whole_equals_pieces_equals_tokens(backend: Backend) -> None:
+    fm = _map("positive", m=32)
+    q, k, v = (backend.asarray(a, dtype="float32") for a in (Q, K, V))
+    whole = backend.to_numpy(la.linear_attention(q, k, v, fm, causal=True, chunk_size=4))
+    for cuts in ([0, 5, 6, 13], list(range(14))):
+        state = None
+        parts = []
+        for start, stop in zip(cuts[:-1], cuts[1:], strict=True):
+            piece = (a[..., start:stop, :] for a in (q, k, v))
+            out, state = la.linear_attention(
+                *piece, fm, causal=True, state=state, return_state=True, chunk_size=4
+            )
+            parts.append(backend.to_numpy(out))
+        assert state is not None and state.num_tokens == 13
+        np.testing.assert_allclose(np.concatenate(parts, axis=-2), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_size_does_not_change_results(backend: Backend) -> None:
+    fm = _map("hyperbolic")
+    args = [backend.asarray(a) for a in (Q, K, V)]
+    outs = [
+        backend.to_numpy(la.linear_attention(*args, fm, causal=True, chunk_size=c))
+        for c in (1, 3, 13, 64)
+    ]
+    for other in outs[1:]:
+        np.testing.assert_allclose(other, outs[0], rtol=1e-12, atol=1e-14)
+
+
+def test_causality_is_exact_in_floating_point(backend: Backend) -> None:
+    """A future key whose log-features exceed all others by ~50 leaves earlier outputs unchanged."""
+    d = 8
+    projection = la.FeatureMap(d, 16, seed=0).projection
+    assert projection is not None
+    projection = projection.copy()
+    projection[0] = 0.0
+    projection[0, 0] = 10.0  # a long row: log-feature up to |w|^2 / 2 = 50
+    fm = la.FeatureMap.from_projection(projection, scale=1.0)
+    rng = np.random.default_rng(9)
+    q, k, v = (0.3 * rng.normal(size=(2, 12, d)) for _ in range(3))
+    k_future = k.copy()
+    k_future[:, 9, :] = 0.0
+    k_future[:, 9, 0] = 10.0
+    lk = fm.log_features(k_future)
+    assert lk[:, 9].max() - np.delete(lk, 9, axis=1).max() > 45
+    for dtype in ("float32", "float64"):
+        for chunk_size in (4, 64):
+            before, after = (
+                backend.to_numpy(
+                    la.linear_attention(
+                        *(backend.asarray(a, dtype=dtype) for a in (q, kk, v)),
+                        fm,
+                        causal=True,
+                        chunk_size=chunk_size,
+                    )
+                )
+                for kk in (k, k_future)
+            )
+            np.testing.assert_array_equal(after[:, :9], before[:, :9])
+            assert np.all(np.isfinite(after))
+            assert not np.array_equal(after[:, 9:], before[:, 9:])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_change_nothing(backend: Backend, causal: bool) -> None:
+    fm = _map("positive")
+    q, k, v = Q[0, 0], K[0, 0], V[0, 0]
+    pad = 5
+    rng = np.random.default_rng(4)
+    k_pad = np.concatenate([k, 3.0 * rng.normal(size=(pad, 8))])
+    v_pad = np.concatenate([v, 100.0 * rng.normal(size=(pad, 6))])
+    q_pad = np.concatenate([q, rng.normal(size=(pad, 8))]) if causal else q
+    mask = np.arange(13 + pad) < 13
+    out = la.linear_attention(
+        backend.asarray(q_pad),
+        backend.asarray(k_pad),
+        backend.asarray(v_pad),
+        fm,
+        causal=causal,
+        key_mask=backend.asarray(mask),
+    )
+    plain = linear_reference(q, k, v, fm, causal=causal)
+    np.testing.assert_allclose(backend.to_numpy(out)[:13], plain, rtol=1e-10, atol=1e-12)
+
+
+def test_queries_that_see_no_key_get_zeros(backend: Backend) -> None:
+    fm = _map("positive")
+    q, k, v = Q[0, 0], K[0, 0], V[0, 0]
+    mask = np.arange(13) >= 4  # left padding: causal queries 0..3 see nothing
+    args = [backend.asarray(a) for a in (q, k, v)]
+    for out in (
+        la.linear_attention(*args, fm, causal=True, key_mask=backend.asarray(mask)),
+        la.softmax_attention(*args, causal=True, key_mask=backend.asarray(mask)),
+    ):
+        result = backend.to_numpy(out)
+        np.testing.assert_array_equal(result[:4], 0.0)
+        assert np.all(np.isfinite(result)) and np.abs(result[4:]).min(axis=-1).max() > 0
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+@pytest.mark.parametrize("d", [16, 64])
+def test_large_norms_stay_finite_in_float32(backend: Backend, kind: str, d: int) -> None:
+    rng = np.random.default_rng(d)
+    q, k = (rng.normal(size=(40, d)) for _ in range(2))
+    norms = np.linspace(0.1, 10.0, 40)[:, None]
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * norms
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True) * norms[::-1]
+    v = rng.normal(size=(40, 8))
+    fm = la.FeatureMap(d, 64, kind=kind, seed=1)
+    for causal in (False, True):
+        out = la.linear_attention(
+            *(backend.asarray(a, dtype="float32") for a in (q, k, v)), fm, causal=causal
+        )
+        expected = linear_reference(q, k, v, fm, causal=causal)
+        result = backend.to_numpy(out)
+        assert np.all(np.isfinite(result))
+        np.testing.assert_allclose(result, expected, rtol=1e-3, atol=1e-4)
+
+
+def test_state_round_trip_errors() -> None:
+    fm = _map("positive")
+    q, k, v = Q[0, 0], K[0, 0], V[0, 0]
+    _, state = la.linear_attention(q, k, v, fm, causal=True, return_state=True)
+    with pytest.raises(ValueError, match="state was made by another feature map"):
+        la.linear_attention(q, k, v, fm.redraw(seed=9), causal=True, state=state)
+    with pytest.raises(ValueError, match=r"state.kv must have shape \(\.\.\., 16, 4\)"):
+        la.linear_attention(q, k, v[:, :3], fm, causal=True, state=state)
+    with pytest.raises(TypeError, match="state must hold float32 arrays"):
+        la.linear_attention(*(a.astype(np.float32) for a in (q, k, v)), fm, causal=True, state=state)
+    with pytest.raises(ValueError, match="state and return_state need causal=True"):
+        la.linear_attention(q, k, v, fm, state=state)
+    with pytest.raises(TypeError, match="state must be a LinearAttentionState"):
+        la.linear_attention(q, k, v, fm, causal=True, state=(state.kv, state.log_shift))  # type: ignore[arg-type]
+
+
+def _bad_calls():
+    fm = _map("positive")
+    q, k, v = Q[0, 0], K[0, 0], V[0, 0]
+    xps = pytest.importorskip("array_api_strict")
+    return [
+        ((q, k, v, "fm"), {}, TypeError, "feature_map must be a linattn.FeatureMap; got str"),
+        ((q[0], k, v, fm), {}, ValueError, r"q must have at least 2 dimensions .* got shape \(8,\)"),
+        ((q[:, :5], k[:, :5], v, fm), {}, ValueError, "head dimension 8 to match feature_map"),
+        ((q, k[:, :5], v, fm), {}, ValueError, "q and k must have the same head dimension"),
+        ((q, k, v[:7], fm), {}, ValueError, "k and v must have the same length"),
+        ((q[:5], k, v, fm), {"causal": True}, ValueError, "causal attention needs queries and keys of the same length"),
+        ((q.astype(int), k, v, fm), {}, TypeError, "q must have a real floating dtype .* got int64"),
+        ((q, k.astype(complex), v, fm), {}, TypeError, "k must have a real floating dtype .* got complex128"),
+        ((q, xps.asarray(k), v, fm), {}, TypeError, "all arrays must come from one array library; got q: numpy.ndarray, k: array_api_strict.Array"),
+        ((q, k, v, fm), {"key_mask": np.ones(13)}, TypeError, "key_mask must be a boolean array; got dtype float64"),
+        ((q, k, v, fm), {"key_mask": np.ones(12, bool)}, ValueError, r"key_mask must have shape \(\.\.\., 13\)"),
+        ((q, k, v, fm), {"chunk_size": 0}, ValueError, "chunk_size must be a positive integer; got 0"),
+        ((q, k, v, fm), {"chunk_size": 2.5}, TypeError, "chunk_size must be a positive integer; got 2.5"),
+        ((q, k, v, fm), {"backend": "gpu"}, ValueError, "backend must be one of"),
+        ((q, k, v, fm), {"causal": "yes"}, TypeError, "causal must be True or False"),
+        ((np.ones((2, 13, 8)), np.ones((3, 13, 8)), np.ones((3, 13, 6)), fm), {}, ValueError, r"leading \(batch\) dimensions must broadcast together; got q \(2,\), k \(3,\), v \(3,\)"),
+        ((q[:0], k, v, fm), {}, ValueError, "q must have at least one position"),
+        ((q.tolist(), k, v, fm), {}, TypeError, "q must be an array"),
+    ]
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    for args, kwargs, error, match in _bad_calls():
+        with pytest.raises(error, match=match):
+            la.linear_attention(*args, **kwargs)
+
+
+def test_array_api_strict_devices_must_match() -> None:
+    xps = pytest.importorskip("array_api_strict")
+    q = xps.asarray(Q[0, 0], device=xps.Device("device1"))
+    k = xps.asarray(K[0, 0], device=xps.Device("CPU_DEVICE"))
+    with pytest.raises(ValueError, match="all arrays must be on one device; q is on"):
+        la.linear_attention(q, k, k, _map("positive"))
+
+
+def test_softmax_bad_scale() -> None:
+    with pytest.raises(ValueError, match="scale must be a positive finite number; got -1"):
+        la.softmax_attention(Q, K, Q, scale=-1)
