@@ -21,6 +21,7 @@ from linattn._cli_studies import AccuracyRow, BenchRow, Crossover, fitted_slope
 __all__ = [
     "accuracy_table",
     "bench_tables",
+    "compact_table",
     "crossover_table",
     "key_value_table",
     "plot_accuracy",
@@ -33,9 +34,23 @@ __all__ = [
 MIB = 2**20
 
 
+def compact_table(title: str) -> Table:
+    """Compact tables without vertical rules: results fit in 80 columns."""
+    return Table(
+        title=title,
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+
+
 def key_value_table(title: str, pairs: Mapping[str, str]) -> Table:
     """A two-column table (used for machine info and settings)."""
-    table = Table(title=title, show_header=False, title_justify="left", box=None)
+    table = Table(
+        title=title, show_header=False, title_justify="left", title_style="bold", box=None
+    )
     table.add_column(style="bold")
     table.add_column()
     for key, value in pairs.items():
@@ -56,7 +71,7 @@ def _short(value: float) -> str:
 def accuracy_table(rows: Sequence[AccuracyRow], metric: str, title: str) -> Table:
     """Rows: m, then the fitted slope; columns: estimators; cells: mean ± standard error."""
     estimators = _ordered(rows, "estimator")
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = compact_table(title)
     table.add_column("m", justify="right")
     for estimator in estimators:
         table.add_column(estimator.replace("-", "\n"), justify="right")
@@ -88,12 +103,7 @@ def bench_tables(rows: Sequence[BenchRow], repeats: int) -> list[Table]:
     tables = []
     columns = (("seconds", "ms", 1e3), ("peak_bytes", "MiB", 1 / MIB))
     for mode in _ordered(rows, "mode"):
-        table = Table(
-            title=f"{mode.capitalize()}: time (best of {repeats}) and peak memory",
-            title_justify="left",
-            box=box.SIMPLE_HEAD,
-            pad_edge=False,
-        )
+        table = compact_table(f"{mode.capitalize()}: time (best of {repeats}) and peak memory")
         table.add_column("L", justify="right")
         for _, unit, _ in columns:
             table.add_column(f"exact\n{unit}", justify="right")
@@ -117,12 +127,7 @@ def bench_tables(rows: Sequence[BenchRow], repeats: int) -> list[Table]:
 
 def crossover_table(found: Sequence[Crossover]) -> Table:
     """The length from which linear attention beats exact attention."""
-    table = Table(
-        title="Crossover: linear beats exact from length",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
+    table = compact_table("Crossover: linear beats exact from length")
     table.add_column("mode")
     table.add_column("quantity")
     table.add_column("L", justify="right")

@@ -201,8 +201,17 @@ def linear_attention(
         batch = _check_state(state, feature_map, info, work)
     m = feature_map.num_features
 
-    log_phi_q, sign_q = feature_map.signed_log_features(q)
-    log_phi_k, sign_k = feature_map.signed_log_features(k)
+    if feature_map.needs_calibration:
+        if causal:
+            raise ValueError(
+                f"causal attention needs the {feature_map.kind!r} feature map's query/key "
+                "statistics fixed in advance (statistics over the whole sequence would let "
+                "later tokens change earlier outputs): expected a map from "
+                "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
+            )
+        feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
+    log_phi_q, sign_q = feature_map.signed_log_features(q, role="query")
+    log_phi_k, sign_k = feature_map.signed_log_features(k, role="key")
     if key_mask is not None:
         log_phi_k = xp.where(
             key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k)
@@ -256,8 +265,9 @@ def favor_attention(
     /,
     *,
     num_features: int = 256,
-    kind: Kind = "positive",
+    kind: Kind | None = None,
     orthogonal: bool = True,
+    rebalance: bool | None = None,
     causal: bool = False,
     key_mask: Array | None = None,
     scale: float | None = None,
@@ -265,7 +275,7 @@ def favor_attention(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: str | None = None,
 ) -> Array:
-    """FAVOR+ attention in one line: draw a feature map from ``seed`` and apply it.
+    """Random-feature softmax attention in one line: draw a feature map from ``seed``, apply it.
 
     Parameters
     ----------
@@ -273,10 +283,18 @@ def favor_attention(
         As for :func:`linear_attention`.
     num_features : int, default 256
         Number of random features ``m``.
-    kind : str, default "positive"
-        Feature kind, see :class:`FeatureMap`.
+    kind : str, optional
+        Feature kind, see :class:`FeatureMap`.  By default the estimator with the lowest
+        error at equal feature count in the estimator comparison (docs: "Choosing an
+        estimator"): bidirectional attention uses ``"hyperbolic_oprf"`` (FAVOR++ with
+        antithetic pairs) with statistics from the call's own queries and keys; causal
+        attention uses ``"hyperbolic"``, the best estimator that needs no statistics
+        (statistics over the sequence would let later tokens change earlier outputs).
     orthogonal : bool, default True
         Orthogonal random features.
+    rebalance : bool, optional
+        SADERF rebalancing; by default on for bidirectional and off for causal attention,
+        for the same reason.
     causal, key_mask, chunk_size, backend
         As for :func:`linear_attention`.
     scale : float, optional
@@ -298,8 +316,18 @@ def favor_attention(
             f"q must be an array of shape (..., L, d); got {type(q).__name__} "
             f"with shape {getattr(q, 'shape', None)}"
         )
+    if kind is None:
+        kind = "hyperbolic" if causal else "hyperbolic_oprf"
+    if rebalance is None:
+        rebalance = not causal
     feature_map = FeatureMap(
-        head_dim, num_features, kind=kind, orthogonal=orthogonal, scale=scale, seed=seed
+        head_dim,
+        num_features,
+        kind=kind,
+        orthogonal=orthogonal,
+        rebalance=rebalance,
+        scale=scale,
+        seed=seed,
     )
     return linear_attention(
         q,

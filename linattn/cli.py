@@ -746,11 +746,9 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     if args.format == "csv":
         return 0
-    from rich.table import Table
-
     console = _console()
     console.print(report.key_value_table("Packages", versions))
-    table = Table(title="Array backends", title_justify="left")
+    table = report.compact_table("Array backends")
     for column in ("backend", "available", "device", "causal linear attention runs on"):
         table.add_column(column)
     for row in backends:

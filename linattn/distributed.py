@@ -461,14 +461,18 @@ def _exclusive_scan(states: list[Any]) -> list[Any]:
     return [empty if p is None else p for p in prefixes]
 
 
-def _scan_prefixes(states: list[Any]) -> list[Any | None]:
-    """Exclusive prefixes, ``None`` standing for the empty state."""
+def _scan_prefixes(states: list[Any | None]) -> list[Any | None]:
+    """Exclusive prefixes, ``None`` standing for the empty state.
+
+    The last state never enters an exclusive scan, so it may be ``None`` and no pair
+    is formed with it.
+    """
     if len(states) == 1:
         return [None]
-    pairs = [_combine(states[i], states[i + 1]) for i in range(0, len(states) - 1, 2)]
-    if len(states) % 2:
-        pairs.append(states[-1])
-    before_pair = _scan_prefixes(pairs)
+    pairs: list[Any | None] = [
+        _combine(states[i], states[i + 1]) for i in range(0, len(states) - 2, 2)
+    ]
+    before_pair = _scan_prefixes([*pairs, None])
     prefixes: list[Any | None] = []
     for i in range(len(states)):
         before = before_pair[i // 2]

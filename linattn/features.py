@@ -19,17 +19,37 @@ from linattn.projections import Norms, gaussian_projection
 
 __all__ = ["KINDS", "FeatureMap"]
 
-Kind = Literal["positive", "hyperbolic", "trigonometric", "random_relu", "elu", "relu"]
+Kind = Literal[
+    "positive",
+    "hyperbolic",
+    "oprf",
+    "hyperbolic_oprf",
+    "trigonometric",
+    "random_relu",
+    "elu",
+    "relu",
+]
 
 #: Feature kinds: ``(uses a random projection, projection rows per output feature)``.
 KINDS: dict[str, tuple[bool, int]] = {
     "positive": (True, 1),
     "hyperbolic": (True, 2),
+    "oprf": (True, 1),
+    "hyperbolic_oprf": (True, 2),
     "trigonometric": (True, 2),
     "random_relu": (True, 1),
     "elu": (False, 1),
     "relu": (False, 1),
 }
+
+#: Kinds whose features estimate the softmax kernel exp(x^T y) without bias.
+SOFTMAX_KINDS = ("positive", "hyperbolic", "oprf", "hyperbolic_oprf", "trigonometric")
+#: Kinds with the OPRF (FAVOR++) parameter A.
+OPRF_KINDS = ("oprf", "hyperbolic_oprf")
+#: Kinds with antithetic +-w pairs.
+ANTITHETIC_KINDS = ("hyperbolic", "hyperbolic_oprf")
+
+Role = Literal["query", "key"]
 
 #: Added to ReLU features so that attention denominators stay positive.
 RELU_EPSILON = 1e-3
@@ -59,7 +79,10 @@ class FeatureMap:
         not positive, so attention denominators can approach zero; for comparison
         only), ``"random_relu"`` (``relu(w^T x) + 1e-3``, Performer's "generalized"
         kernel, not softmax), and the deterministic ``"elu"`` (``elu(x) + 1``) and
-        ``"relu"`` (``relu(x) + 1e-3``) maps, which ignore ``scale``.
+        ``"relu"`` (``relu(x) + 1e-3``) maps, which ignore ``scale``.  ``"oprf"`` and
+        ``"hyperbolic_oprf"`` are FAVOR++'s optimal positive random features
+        ``exp(A |w|^2 + B w^T x - |x|^2/2)``, ``B = sqrt(1 - 4A)``, without and with
+        antithetic pairs; ``A`` comes from query/key statistics (:meth:`calibrate`).
     orthogonal : bool, default True
         Draw the projection as stacked Haar-orthogonal blocks (ORF) instead of iid.
     norms : {"chi", "fixed"}, default "chi"
@@ -68,6 +91,18 @@ class FeatureMap:
         Softmax scale ``s`` in ``exp(s * q^T k)``; default ``1 / sqrt(head_dim)``.
     seed : int, default 0
         Seed for the projection; one seed gives the same features on every backend.
+    rebalance : bool, default False
+        SADERF rebalancing for the softmax kinds: queries become ``Psi x`` and keys
+        ``Psi^-1 y`` with a diagonal ``Psi`` from query/key statistics, which keeps every
+        ``x^T y`` and lowers the variance when per-coordinate scales differ.
+
+    Notes
+    -----
+    ``"oprf"`` kinds and ``rebalance=True`` need statistics of the queries and keys.
+    Bidirectional :func:`linattn.linear_attention` computes them from each call's batch;
+    causal attention (and anything with a state) needs them fixed in advance, because
+    statistics over a whole sequence would let later tokens change earlier outputs:
+    use :meth:`calibrate` on representative data, or :meth:`with_statistics`.
 
     Examples
     --------
@@ -84,11 +119,14 @@ class FeatureMap:
     __slots__ = (
         "_fingerprint",
         "_projection",
+        "_rebalance_scales",
         "head_dim",
         "kind",
         "norms",
         "num_features",
+        "oprf_a",
         "orthogonal",
+        "rebalance",
         "scale",
         "seed",
     )
@@ -100,7 +138,10 @@ class FeatureMap:
     norms: str
     scale: float
     seed: int | None
+    rebalance: bool
+    oprf_a: float | None
     _projection: np.ndarray | None
+    _rebalance_scales: np.ndarray | None
     _fingerprint: str
 
     def __init__(
@@ -113,6 +154,7 @@ class FeatureMap:
         norms: Norms = "chi",
         scale: float | None = None,
         seed: int = 0,
+        rebalance: bool = False,
     ) -> None:
         _check_positive_int("head_dim", head_dim)
         _check_positive_int("num_features", num_features)
@@ -147,6 +189,7 @@ class FeatureMap:
             scale=scale,
             seed=int(seed),
             projection=projection,
+            rebalance=rebalance,
         )
 
     def _init(
@@ -160,7 +203,36 @@ class FeatureMap:
         scale: float | None,
         seed: int | None,
         projection: np.ndarray | None,
+        rebalance: bool = False,
+        oprf_a: float | None = None,
+        rebalance_scales: np.ndarray | None = None,
     ) -> None:
+        if not isinstance(rebalance, bool):
+            raise TypeError(f"rebalance must be True or False; got {rebalance!r}")
+        if rebalance and kind not in SOFTMAX_KINDS:
+            raise ValueError(
+                f"rebalance=True needs a softmax-estimating kind {SOFTMAX_KINDS}; got {kind!r}"
+            )
+        if oprf_a is not None:
+            if kind not in OPRF_KINDS:
+                raise ValueError(f"oprf_a applies to kinds {OPRF_KINDS}; got kind={kind!r}")
+            if not (isinstance(oprf_a, int | float | np.floating) and oprf_a < 0.125):
+                raise ValueError(
+                    f"oprf_a must be a number below 1/8 (finite variance); got {oprf_a!r}"
+                )
+            oprf_a = float(oprf_a)
+        if rebalance_scales is not None:
+            if not rebalance:
+                raise ValueError("rebalance_scales need a map made with rebalance=True")
+            rebalance_scales = np.array(rebalance_scales, dtype=np.float64, copy=True)
+            if rebalance_scales.shape != (head_dim,) or not np.all(
+                np.isfinite(rebalance_scales) & (rebalance_scales > 0)
+            ):
+                raise ValueError(
+                    f"rebalance_scales must be {head_dim} positive finite numbers; got "
+                    f"shape {rebalance_scales.shape}"
+                )
+            rebalance_scales.setflags(write=False)
         if scale is None:
             scale = 1.0 / math.sqrt(head_dim)
         if not isinstance(scale, int | float | np.floating) or not (
@@ -170,9 +242,12 @@ class FeatureMap:
         if projection is not None:
             projection = np.array(projection, dtype=np.float64, copy=True)
             projection.setflags(write=False)
-        digest = hashlib.sha256(f"{kind}|{float(scale)!r}|{head_dim}|{num_features}".encode())
-        if projection is not None:
-            digest.update(projection.tobytes())
+        digest = hashlib.sha256(
+            f"{kind}|{float(scale)!r}|{head_dim}|{num_features}|{rebalance}|{oprf_a!r}".encode()
+        )
+        for part in (projection, rebalance_scales):
+            if part is not None:
+                digest.update(part.tobytes())
         setter = object.__setattr__
         setter(self, "head_dim", int(head_dim))
         setter(self, "num_features", int(num_features))
@@ -181,8 +256,34 @@ class FeatureMap:
         setter(self, "norms", norms)
         setter(self, "scale", float(scale))
         setter(self, "seed", seed)
+        setter(self, "rebalance", rebalance)
+        setter(self, "oprf_a", oprf_a)
         setter(self, "_projection", projection)
+        setter(self, "_rebalance_scales", rebalance_scales)
         setter(self, "_fingerprint", digest.hexdigest()[:16])
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "head_dim": self.head_dim,
+            "num_features": self.num_features,
+            "kind": self.kind,
+            "orthogonal": self.orthogonal,
+            "norms": self.norms,
+            "scale": self.scale,
+            "seed": self.seed,
+            "projection": self._projection,
+            "rebalance": self.rebalance,
+            "oprf_a": self.oprf_a,
+            "rebalance_scales": self._rebalance_scales,
+        }
+
+    def _replace(self, **changes: Any) -> FeatureMap:
+        new = FeatureMap.__new__(FeatureMap)
+        new._init(**{**self._fields(), **changes})
+        return new
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        return _restore, (self._fields(),)
 
     @classmethod
     def from_projection(
@@ -262,7 +363,7 @@ class FeatureMap:
         """
         if seed is None:
             seed = secrets.randbits(63)
-        return FeatureMap(
+        fresh = FeatureMap(
             self.head_dim,
             self.num_features,
             kind=self.kind,  # type: ignore[arg-type]
@@ -270,7 +371,94 @@ class FeatureMap:
             norms=self.norms,  # type: ignore[arg-type]
             scale=self.scale,
             seed=seed,
+            rebalance=self.rebalance,
         )
+        return fresh._replace(oprf_a=self.oprf_a, rebalance_scales=self._rebalance_scales)
+
+    # -- statistics (OPRF and rebalancing) -------------------------------------------
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True while an OPRF ``A`` or rebalancing scales are still to be computed."""
+        return (self.kind in OPRF_KINDS and self.oprf_a is None) or (
+            self.rebalance and self._rebalance_scales is None
+        )
+
+    @property
+    def rebalance_scales(self) -> np.ndarray | None:
+        """The read-only diagonal ``Psi`` (queries times it, keys divided by it), if set."""
+        return self._rebalance_scales
+
+    def calibrate(self, q: Array, k: Array, /, *, key_mask: Array | None = None) -> FeatureMap:
+        """A copy with OPRF ``A`` and rebalancing ``Psi`` fixed from queries and keys.
+
+        Parameters
+        ----------
+        q : array, shape ``(..., L_q, head_dim)``
+        k : array, shape ``(..., L_k, head_dim)``
+            Representative queries and keys (e.g. a calibration batch).
+        key_mask : boolean array, shape ``(..., L_k)``, optional
+            Keys left out of the statistics.
+
+        Returns
+        -------
+        FeatureMap
+            The same projection with statistics fixed; usable for causal attention.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import linattn as la
+        >>> rng = np.random.default_rng(0)
+        >>> q, k = rng.normal(size=(64, 8)), 2 * rng.normal(size=(64, 8))
+        >>> fm = la.FeatureMap(8, 32, kind="oprf", rebalance=True).calibrate(q, k)
+        >>> fm.needs_calibration, fm.oprf_a < 0
+        (False, True)
+        """
+        from linattn.calibration import oprf_optimal_a, query_key_statistics, rebalance_scales
+
+        xp = namespace_of(q=q, k=k, key_mask=key_mask)
+        for name, x in (("q", q), ("k", k)):
+            float_dtype(xp, name, x)
+            if x.ndim < 2 or x.shape[-1] != self.head_dim:
+                raise ValueError(
+                    f"{name} must have shape (..., L, {self.head_dim}); got {tuple(x.shape)}"
+                )
+        root = math.sqrt(self.scale)
+        stats = query_key_statistics(
+            xp, xp.astype(q, xp.float64) * root, xp.astype(k, xp.float64) * root, key_mask
+        )
+        changes: dict[str, Any] = {}
+        if self.rebalance:
+            psi = rebalance_scales(stats)
+            changes["rebalance_scales"] = psi
+            stats = type(stats)(
+                stats.query_mean * psi,
+                stats.key_mean / psi,
+                stats.query_energy * psi**2,
+                stats.key_energy / psi**2,
+            )
+        if self.kind in OPRF_KINDS:
+            changes["oprf_a"] = oprf_optimal_a(stats.rho)
+        return self._replace(**changes)
+
+    def with_statistics(
+        self, *, oprf_a: float | None = None, rebalance_scales: Any = None
+    ) -> FeatureMap:
+        """A copy with OPRF ``A`` and/or rebalancing scales given by the user.
+
+        Examples
+        --------
+        >>> import linattn as la
+        >>> la.FeatureMap(4, 8, kind="oprf").with_statistics(oprf_a=-0.1).oprf_a
+        -0.1
+        """
+        changes: dict[str, Any] = {}
+        if oprf_a is not None:
+            changes["oprf_a"] = oprf_a
+        if rebalance_scales is not None:
+            changes["rebalance_scales"] = rebalance_scales
+        return self._replace(**changes)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"FeatureMap is immutable; use redraw() for new features ({name})")
@@ -279,7 +467,9 @@ class FeatureMap:
         return (
             f"FeatureMap(head_dim={self.head_dim}, num_features={self.num_features}, "
             f"kind={self.kind!r}, orthogonal={self.orthogonal}, norms={self.norms!r}, "
-            f"scale={self.scale:.6g}, seed={self.seed})"
+            f"scale={self.scale:.6g}, seed={self.seed}, rebalance={self.rebalance}"
+            + (f", oprf_a={self.oprf_a:.6g}" if self.oprf_a is not None else "")
+            + ")"
         )
 
     @property
@@ -299,11 +489,12 @@ class FeatureMap:
 
     # -- features -------------------------------------------------------------------
 
-    def log_features(self, x: Array, /) -> Array:
+    def log_features(self, x: Array, /, *, role: Role | None = None) -> Array:
         """Log-features ``log phi(x)`` of shape ``(..., num_features)``, in x's namespace.
 
         Computed in float32 for half-precision inputs, else in x's dtype.  Not defined
         for ``"trigonometric"`` features, which can be negative (use :meth:`features`).
+        ``role`` (``"query"`` or ``"key"``) is needed only by rebalanced maps.
 
         Examples
         --------
@@ -318,9 +509,9 @@ class FeatureMap:
                 "log_features is not defined for kind='trigonometric' (its features can be "
                 "negative); use features()"
             )
-        return self.signed_log_features(x)[0]
+        return self.signed_log_features(x, role=role)[0]
 
-    def features(self, x: Array, /) -> Array:
+    def features(self, x: Array, /, *, role: Role | None = None) -> Array:
         """Features ``phi(x)`` of shape ``(..., num_features)``, in x's namespace.
 
         Examples
@@ -331,16 +522,19 @@ class FeatureMap:
         >>> fm.features(np.ones((2, 4))).shape
         (2, 8)
         """
-        log_phi, sign = self.signed_log_features(x)
+        log_phi, sign = self.signed_log_features(x, role=role)
         xp = array_api_compat.array_namespace(log_phi)
         phi = xp.exp(log_phi)
         return phi if sign is None else sign * phi
 
-    def signed_log_features(self, x: Array, /) -> tuple[Array, Array | None]:
+    def signed_log_features(
+        self, x: Array, /, *, role: Role | None = None
+    ) -> tuple[Array, Array | None]:
         """``(log|phi(x)|, sign(phi(x)))``; the sign is ``None`` for positive kinds.
 
         This is what the attention code consumes: magnitudes in log space (where all
         stabilisation happens) and, for trigonometric features only, their signs.
+        ``role`` says whether ``x`` holds queries or keys; rebalanced maps need it.
         """
         xp = namespace_of(x=x)
         dtype = float_dtype(xp, "x", x)
@@ -348,6 +542,14 @@ class FeatureMap:
             raise ValueError(
                 f"x must have shape (..., {self.head_dim}) to match the feature map's "
                 f"head_dim; got shape {tuple(x.shape)}"
+            )
+        if role not in (None, "query", "key"):
+            raise ValueError(f"role must be 'query', 'key' or None; got {role!r}")
+        if self.needs_calibration:
+            raise ValueError(
+                f"this {self.kind!r} feature map{' with rebalance=True' if self.rebalance else ''}"
+                " needs query/key statistics: expected a map from calibrate(q, k) or "
+                "with_statistics(...), got one without them"
             )
         x = xp.astype(x, compute_dtype(xp, dtype))
         kind = self.kind
@@ -357,26 +559,57 @@ class FeatureMap:
         if kind == "relu":
             return xp.log(xp.maximum(x, xp.zeros_like(x)) + RELU_EPSILON), None
         x = x * math.sqrt(self.scale)
+        if self._rebalance_scales is not None:
+            if role is None:
+                raise ValueError(
+                    "role must be 'query' or 'key' for a rebalanced feature map; got None"
+                )
+            psi = from_host(
+                xp, self._rebalance_scales, dtype=x.dtype, device=array_api_compat.device(x)
+            )
+            x = x * psi if role == "query" else x / psi
         projection = self._projection_like(xp, x)
         proj = xp.matmul(x, xp.matrix_transpose(projection))
         half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        if kind == "positive":
-            return proj - half_norm - 0.5 * math.log(self.num_features), None
-        if kind == "hyperbolic":
-            both = xp.concat([proj, -proj], axis=-1)
-            return both - half_norm - 0.5 * math.log(self.num_features), None
+        log_m = 0.5 * math.log(self.num_features)
         if kind == "random_relu":
             return xp.log(xp.maximum(proj, xp.zeros_like(proj)) + RELU_EPSILON), None
-        # trigonometric: [cos, sin](w^T x) * exp(|x|^2 / 2) / sqrt(m / 2)
-        trig = xp.concat([xp.cos(proj), xp.sin(proj)], axis=-1)
-        log_abs = xp.log(xp.abs(trig)) + half_norm - 0.5 * math.log(self.num_features / 2)
-        return log_abs, xp.sign(trig)
+        if kind == "trigonometric":
+            # [cos, sin](w^T x) * exp(|x|^2 / 2) / sqrt(m / 2)
+            trig = xp.concat([xp.cos(proj), xp.sin(proj)], axis=-1)
+            log_abs = xp.log(xp.abs(trig)) + half_norm - 0.5 * math.log(self.num_features / 2)
+            return log_abs, xp.sign(trig)
+        offset = -log_m
+        if kind in OPRF_KINDS:
+            # exp(A|w|^2 + B w^T x - |x|^2/2) (1 - 4A)^(d/4) is unbiased for B^2 = 1 - 4A.
+            assert self.oprf_a is not None and self._projection is not None
+            a = self.oprf_a
+            proj = math.sqrt(1.0 - 4.0 * a) * proj
+            offset += 0.25 * self.head_dim * math.log1p(-4.0 * a)
+        if kind in ANTITHETIC_KINDS:
+            proj = xp.concat([proj, -proj], axis=-1)
+        log_phi = proj - half_norm + offset
+        if kind in OPRF_KINDS:
+            energy = self.oprf_a * np.sum(self._projection**2, axis=1)  # type: ignore[operator]
+            if kind in ANTITHETIC_KINDS:
+                energy = np.concatenate([energy, energy])
+            log_phi = log_phi + from_host(
+                xp, energy, dtype=x.dtype, device=array_api_compat.device(x)
+            )
+        return log_phi, None
 
     def _projection_like(self, xp: Any, x: Array) -> Array:
         assert self._projection is not None
         return from_host(
             xp, self._projection, dtype=x.dtype, device=array_api_compat.device(x)
         )
+
+
+def _restore(fields: dict[str, Any]) -> FeatureMap:
+    """Unpickle a FeatureMap (it travels to Dask workers and subprocesses)."""
+    new = FeatureMap.__new__(FeatureMap)
+    new._init(**fields)
+    return new
 
 
 def _check_kind(kind: object) -> tuple[bool, int]:

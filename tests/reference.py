@@ -11,7 +11,7 @@ import numpy as np
 import linattn as la
 
 
-def features64(fm: la.FeatureMap, x: np.ndarray) -> np.ndarray:
+def features64(fm: la.FeatureMap, x: np.ndarray, role: str = "query") -> np.ndarray:
     """phi(x) in float64 from the map's formulas (no log-space tricks)."""
     x = np.asarray(x, dtype=np.float64)
     if fm.kind == "elu":
@@ -20,6 +20,9 @@ def features64(fm: la.FeatureMap, x: np.ndarray) -> np.ndarray:
         return np.maximum(x, 0.0) + 1e-3
     w = np.asarray(fm.projection)
     xs = x * np.sqrt(fm.scale)
+    if fm.rebalance_scales is not None:
+        psi = fm.rebalance_scales
+        xs = xs * psi if role == "query" else xs / psi
     proj = xs @ w.T
     sq = np.sum(xs**2, axis=-1, keepdims=True)
     m = fm.num_features
@@ -27,6 +30,13 @@ def features64(fm: la.FeatureMap, x: np.ndarray) -> np.ndarray:
         return np.exp(proj - sq / 2) / np.sqrt(m)
     if fm.kind == "hyperbolic":
         return np.concatenate([np.exp(proj), np.exp(-proj)], axis=-1) * np.exp(-sq / 2) / np.sqrt(m)
+    if fm.kind in ("oprf", "hyperbolic_oprf"):
+        a = fm.oprf_a
+        b = np.sqrt(1 - 4 * a)
+        energy = a * np.sum(w**2, axis=1)
+        signs = [1.0, -1.0] if fm.kind == "hyperbolic_oprf" else [1.0]
+        parts = [np.exp(energy + s * b * proj) for s in signs]
+        return np.concatenate(parts, axis=-1) * np.exp(-sq / 2) * (1 - 4 * a) ** (fm.head_dim / 4) / np.sqrt(m)
     if fm.kind == "trigonometric":
         return np.concatenate([np.cos(proj), np.sin(proj)], axis=-1) * np.exp(sq / 2) / np.sqrt(m / 2)
     if fm.kind == "random_relu":
@@ -55,8 +65,13 @@ def kernel_attention(
 
 
 def linear_reference(q, k, v, fm, *, causal=False, key_mask=None) -> np.ndarray:
+    if fm.needs_calibration:
+        fm = fm.calibrate(q, k, key_mask=key_mask)
     return kernel_attention(
-        features64(fm, q), features64(fm, k), np.asarray(v, np.float64), causal=causal,
+        features64(fm, q, "query"),
+        features64(fm, k, "key"),
+        np.asarray(v, np.float64),
+        causal=causal,
         key_mask=key_mask,
     )
 

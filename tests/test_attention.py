@@ -94,11 +94,21 @@ def test_half_precision_in_and_out(backend: Backend, dtype: str) -> None:
     np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=2 * eps, atol=2 * eps)
 
 
-def test_favor_attention_is_linear_attention_with_a_fresh_map(backend: Backend) -> None:
+@pytest.mark.parametrize(
+    ("causal", "options", "default_map"),
+    [
+        (True, {"kind": "positive"}, {"kind": "positive"}),
+        (True, {}, {"kind": "hyperbolic"}),
+        (False, {}, {"kind": "hyperbolic_oprf", "rebalance": True}),
+    ],
+)
+def test_favor_attention_is_linear_attention_with_a_fresh_map(
+    backend: Backend, causal: bool, options: dict, default_map: dict
+) -> None:
     args = [backend.asarray(a) for a in (Q, K, V)]
-    out = la.favor_attention(*args, num_features=32, kind="hyperbolic", causal=True, seed=5)
-    fm = la.FeatureMap(8, 32, kind="hyperbolic", seed=5)
-    expected = linear_reference(Q, K, V, fm, causal=True)
+    out = la.favor_attention(*args, num_features=32, causal=causal, seed=5, **options)
+    fm = la.FeatureMap(8, 32, seed=5, **default_map)
+    expected = linear_reference(Q, K, V, fm, causal=causal)
     assert_close(backend, out, expected, rtol=1e-10, dtype="float64")
 
 
@@ -279,3 +289,28 @@ def test_array_api_strict_devices_must_match() -> None:
 def test_softmax_bad_scale() -> None:
     with pytest.raises(ValueError, match="scale must be a positive finite number; got -1"):
         la.softmax_attention(Q, K, Q, scale=-1)
+
+
+@pytest.mark.parametrize(("kind", "rebalance"), [("oprf", False), ("hyperbolic_oprf", True)])
+def test_low_variance_maps_bidirectional_and_calibrated_causal(
+    backend: Backend, kind: str, rebalance: bool
+) -> None:
+    fm = la.FeatureMap(8, 16, kind=kind, rebalance=rebalance, seed=1)
+    args = [backend.asarray(a) for a in (Q, K, V)]
+    # Bidirectional: statistics from the call's own batch.
+    out = la.linear_attention(*args, fm)
+    assert_close(backend, out, linear_reference(Q, K, V, fm), rtol=1e-10, dtype="float64")
+    # Causal: statistics fixed in advance; whole = pieces still holds.
+    calibrated = fm.calibrate(*args[:2])
+    whole = la.linear_attention(*args, calibrated, causal=True, chunk_size=4)
+    expected = linear_reference(Q, K, V, calibrated, causal=True)
+    assert_close(backend, whole, expected, rtol=1e-10, dtype="float64")
+    first, state = la.linear_attention(
+        *(a[..., :6, :] for a in args), calibrated, causal=True, return_state=True
+    )
+    second = la.linear_attention(*(a[..., 6:, :] for a in args), calibrated, causal=True, state=state)
+    np.testing.assert_allclose(
+        np.concatenate([backend.to_numpy(first), backend.to_numpy(second)], axis=-2),
+        expected,
+        rtol=1e-10,
+    )

@@ -221,7 +221,7 @@ def test_sequence_parallel_tasks_hold_one_chunk():
 
 def test_bad_input_is_named():
     q = _lazy(_inputs(32)[0], 16)
-    with pytest.raises(TypeError, match="feature_map must be a linattn.FeatureMap"):
+    with pytest.raises(TypeError, match=r"feature_map must be a linattn\.FeatureMap"):
         sequence_parallel_attention(q, q, q, "features")
     with pytest.raises(TypeError, match="k must be a Dask array"):
         sequence_parallel_attention(q, [[1.0]], q, FM)

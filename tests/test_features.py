@@ -130,3 +130,120 @@ def test_bad_feature_input(x: object, error: type, match: str) -> None:
 def test_bad_projection(matrix: np.ndarray, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         la.FeatureMap.from_projection(matrix)
+
+
+# -- OPRF and rebalancing (lower-variance estimators) --------------------------------
+
+LOW_VARIANCE = [
+    ("oprf", False),
+    ("hyperbolic_oprf", False),
+    ("positive", True),
+    ("hyperbolic", True),
+    ("hyperbolic_oprf", True),
+]
+
+
+def _calibration_data():
+    rng = np.random.default_rng(5)
+    scales = np.exp(rng.normal(size=8))
+    q = rng.normal(size=(2, 30, 8)) * scales
+    k = rng.normal(size=(2, 30, 8)) / scales
+    return q, k
+
+
+@pytest.mark.parametrize(("kind", "rebalance"), LOW_VARIANCE)
+def test_calibrated_features_match_formulas(backend: Backend, kind: str, rebalance: bool) -> None:
+    q, k = _calibration_data()
+    reference_map = la.FeatureMap(8, 12, kind=kind, rebalance=rebalance, seed=3).calibrate(q, k)
+    fm = la.FeatureMap(8, 12, kind=kind, rebalance=rebalance, seed=3).calibrate(
+        backend.asarray(q), backend.asarray(k)
+    )
+    assert fm.fingerprint == reference_map.fingerprint or (
+        np.allclose(fm.rebalance_scales, reference_map.rebalance_scales, rtol=1e-12)
+        if rebalance
+        else abs(fm.oprf_a - reference_map.oprf_a) < 1e-12  # type: ignore[operator]
+    )
+    for role in ("query", "key"):
+        out = fm.features(backend.asarray(q), role=role)
+        assert_close(
+            backend, out, features64(reference_map, q, role), rtol=1e-10, dtype="float64"
+        )
+
+
+def test_oprf_a_closed_form() -> None:
+    from linattn.calibration import oprf_optimal_a
+
+    for rho in (0.0, 0.3, 1.0, 5.0):
+        a = oprf_optimal_a(rho)
+        # A* minimises the variance G^(d/2) exp(rho d / (1 - 8A)) for large d, i.e. the
+        # exponent log(1-4A)^2 - log(1-8A) (per d/2) + 2 rho / (1 - 8A): check stationarity.
+        def exponent(a_: float, rho: float = rho) -> float:
+            return 2 * np.log1p(-4 * a_) - np.log1p(-8 * a_) + 2 * rho / (1 - 8 * a_)
+
+        h = 1e-6
+        assert a <= 0 and abs(exponent(a + h) - exponent(a - h)) / (2 * h) < 1e-5
+    assert oprf_optimal_a(0.0) == 0.0
+
+
+def test_rebalancing_balances_energy_and_keeps_inner_products() -> None:
+    q, k = _calibration_data()
+    fm = la.FeatureMap(8, 12, rebalance=True).calibrate(q, k)
+    psi = fm.rebalance_scales
+    assert psi is not None
+    np.testing.assert_allclose(np.mean((q * psi) ** 2, axis=(0, 1)), np.mean((k / psi) ** 2, axis=(0, 1)), rtol=1e-12)
+    np.testing.assert_allclose((q * psi) @ np.swapaxes(k / psi, -1, -2), q @ np.swapaxes(k, -1, -2), rtol=1e-12, atol=1e-12)
+
+
+def test_calibration_ignores_masked_keys() -> None:
+    q, k = _calibration_data()
+    mask = np.arange(30) < 20
+    k_garbage = k.copy()
+    k_garbage[:, 20:] = 1e3
+    fm = la.FeatureMap(8, 12, kind="oprf", rebalance=True)
+    a = fm.calibrate(q, k[:, :20])
+    b = fm.calibrate(q, k_garbage, key_mask=mask)
+    np.testing.assert_allclose(b.rebalance_scales, a.rebalance_scales, rtol=1e-12)
+    assert abs(b.oprf_a - a.oprf_a) < 1e-12  # type: ignore[operator]
+
+
+def test_uncalibrated_maps_refuse_features_and_causal_use() -> None:
+    q, k = _calibration_data()
+    fm = la.FeatureMap(8, 12, kind="oprf")
+    with pytest.raises(ValueError, match=r"needs query/key statistics: expected a map from calibrate"):
+        fm.features(q)
+    with pytest.raises(ValueError, match="causal attention needs the 'oprf' feature map's query/key statistics fixed"):
+        la.linear_attention(q, k, k, fm, causal=True)
+    rebalanced = la.FeatureMap(8, 12, rebalance=True).calibrate(q, k)
+    with pytest.raises(ValueError, match="role must be 'query' or 'key' for a rebalanced feature map"):
+        rebalanced.features(q)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kind": "elu", "rebalance": True}, "rebalance=True needs a softmax-estimating kind"),
+        ({"kind": "positive", "rebalance": "yes"}, "rebalance must be True or False"),
+    ],
+)
+def test_bad_low_variance_options(kwargs: dict, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        la.FeatureMap(8, 8, **kwargs)
+
+
+def test_with_statistics_validates() -> None:
+    with pytest.raises(ValueError, match="oprf_a must be a number below 1/8"):
+        la.FeatureMap(4, 8, kind="oprf").with_statistics(oprf_a=0.2)
+    with pytest.raises(ValueError, match="oprf_a applies to kinds"):
+        la.FeatureMap(4, 8).with_statistics(oprf_a=-0.1)
+    with pytest.raises(ValueError, match="rebalance_scales must be 4 positive finite numbers"):
+        la.FeatureMap(4, 8, rebalance=True).with_statistics(rebalance_scales=[1.0, 2.0])
+
+
+def test_pickle_round_trip() -> None:
+    import pickle
+
+    q, k = _calibration_data()
+    fm = la.FeatureMap(8, 12, kind="hyperbolic_oprf", rebalance=True, seed=2).calibrate(q, k)
+    again = pickle.loads(pickle.dumps(fm))
+    assert again.fingerprint == fm.fingerprint
+    np.testing.assert_array_equal(again.features(q, role="key"), fm.features(q, role="key"))

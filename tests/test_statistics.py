@@ -33,7 +33,8 @@ def _z_score(make_map, draws: int = DRAWS) -> float:
     ratios = np.empty(draws)
     for seed in range(draws):
         fm = make_map(seed)
-        ratios[seed] = float(fm.features(x) @ fm.features(y)) / exact
+        phi_x, phi_y = fm.features(x, role="query"), fm.features(y, role="key")
+        ratios[seed] = float(phi_x @ phi_y) / exact
     return float((ratios.mean() - 1.0) / (ratios.std(ddof=1) / np.sqrt(draws)))
 
 
@@ -41,6 +42,21 @@ def _z_score(make_map, draws: int = DRAWS) -> float:
 @pytest.mark.parametrize("kind", RANDOM_KINDS)
 def test_estimator_is_unbiased(kind: str, orthogonal: bool) -> None:
     z = _z_score(lambda seed: la.FeatureMap(16, 32, kind=kind, orthogonal=orthogonal, seed=seed))
+    assert abs(z) <= Z_MAX, f"mean of phi(x).phi(y) / exp(x.y) is {z:.1f} standard errors from 1"
+
+
+@pytest.mark.parametrize(
+    ("kind", "rebalance"),
+    [("oprf", False), ("hyperbolic_oprf", False), ("positive", True), ("hyperbolic_oprf", True)],
+)
+def test_low_variance_estimators_are_unbiased(kind: str, rebalance: bool) -> None:
+    # Statistics from skewed data (keys 3x queries) so that A* < 0 and Psi != 1.
+    x, y, _ = _kernel_pair()
+    base = la.FeatureMap(16, 32, kind=kind, rebalance=rebalance).calibrate(
+        x[None, :], 3 * y[None, :]
+    )
+    assert base.oprf_a is None or base.oprf_a < -0.05
+    z = _z_score(lambda seed: base.redraw(seed=seed))
     assert abs(z) <= Z_MAX, f"mean of phi(x).phi(y) / exp(x.y) is {z:.1f} standard errors from 1"
 
 
@@ -97,3 +113,28 @@ def test_error_falls_as_one_over_m(map_options: dict) -> None:
     mse = np.array([_seed_experiment(int(m), 50, **map_options).mean() for m in ms])
     slope = np.polyfit(np.log(ms), np.log(mse), 1)[0]
     assert -1.3 <= slope <= -0.7, f"slope {slope:.2f}, MSE {mse}"
+
+
+def _anisotropic_error(draws: int, **map_options) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    d, n = 16, 64
+    scales = np.exp(rng.normal(size=d))
+    q = 0.35 * rng.normal(size=(n, d)) * scales
+    k = 0.35 * rng.normal(size=(n, d)) / scales
+    v = rng.normal(size=(n, d))
+    exact = la.softmax_attention(q, k, v)
+    return np.array(
+        [
+            np.mean((la.linear_attention(q, k, v, la.FeatureMap(d, 64, seed=s, **map_options)) - exact) ** 2)
+            for s in range(draws)
+        ]
+    )
+
+
+@pytest.mark.slow
+def test_rebalancing_lowers_error_when_scales_differ() -> None:
+    plain = _anisotropic_error(100, kind="hyperbolic")
+    rebalanced = _anisotropic_error(100, kind="hyperbolic", rebalance=True)
+    diff_se = np.sqrt(plain.var(ddof=1) / 100 + rebalanced.var(ddof=1) / 100)
+    z = (plain.mean() - rebalanced.mean()) / diff_se
+    assert z > 3.0, f"rebalanced MSE {rebalanced.mean():.3g} vs plain {plain.mean():.3g} (z = {z:.1f})"

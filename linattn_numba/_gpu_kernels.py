@@ -1,0 +1,509 @@
+"""The CUDA kernels of the chunked, stabilised causal scan (device code only).
+
+Same algorithm, stabilisers and results as ``linattn.causal.causal`` (read its
+module docstring).  All kernels take C-contiguous arrays flattened to one batch
+axis: log-features ``lq, lk (B, L, m)``, ``[V | 1]`` ``va (B, L, D)``, states
+``(B, m, D)``, and the per-chunk stabilisers computed here first:
+
+* ``mus (B, N + 1, m)``: ``mu`` at every chunk start (``mus[:, N]`` the final one);
+* ``F, G, Gm (B, L)``: per-query shift, per-key excess ``G_j`` and its running
+  maximum ``Gmax_t`` (floored at 0 once the state holds a key);
+* ``flo (B, N)``: that floor (0, or ``-inf`` for an empty state).
+
+Work is split so that everything but the scan over chunks is parallel over
+chunks, in ``T x T`` thread blocks (``T = TILE``) with shared-memory tiles, and
+no tile size limits ``L``, ``m``, ``d_v`` or the chunk size:
+
+``chunk_max``, ``prefix_max``, ``row_stats``
+    the stabilisers (a prefix maximum over chunks, then row reductions);
+``forward_intra``
+    the masked intra-chunk term, one block per query tile of a chunk;
+``scan_columns``
+    per chunk ``out[t, c] += sum_r X[t, r] M[r, c]`` then
+    ``M[r, c] = decay_r M[r, c] + sum_t Y[t, r] z[t, c]``, sequential over chunks,
+    one block per (batch, column tile): the forward state term (``M = S``) and,
+    run in reverse, the state gradient of ``[V | 1]`` (``M = dS``);
+``scan_rows``
+    the same scan with rows (features) split over blocks: the state
+    gradients of ``l(q)`` (forward sweep of ``S``) and of ``l(k)`` and ``kv``
+    (reverse sweep of ``dS``);
+``backward_intra_queries``, ``backward_intra_keys``
+    the intra-chunk gradients.
+
+Backward holds the stabilisers constant (exact for the normalised output:
+numerator and denominator share every shift) and recomputes the chunk states
+forward from the initial state, never by subtraction.
+
+Examples
+--------
+>>> from linattn_numba import _gpu_kernels
+>>> sorted(_gpu_kernels.signatures("float32"))[:2]
+['backward_intra_keys', 'backward_intra_queries']
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import numba
+
+from linattn_numba import _cuda
+
+__all__ = [
+    "KERNEL_NAMES",
+    "KEY",
+    "KEY_STATE",
+    "QUERY",
+    "TILE",
+    "WEIGHTED_QUERY",
+    "kernels",
+    "signatures",
+]
+
+cuda = _cuda.cuda
+TILE = _cuda.TILE
+
+# Which per-(token, feature) factor a kernel needs, computed on the fly from the
+# log-features and the stabilisers of the token's chunk n.
+QUERY = 0  # u = exp(l(q) + mu_n - F)
+WEIGHTED_QUERY = 1  # w u, w = exp(floor_n - Gmax): queries against the state
+KEY_STATE = 2  # phi = exp(l(k) - mu_{n+1}): keys entering the state
+KEY = 3  # psi = exp(l(k) - mu_n - G): keys inside the chunk
+
+KERNEL_NAMES = (
+    "chunk_max",
+    "prefix_max",
+    "row_stats",
+    "forward_intra",
+    "scan_columns",
+    "scan_rows",
+    "backward_intra_queries",
+    "backward_intra_keys",
+)
+
+
+@functools.cache
+def kernels(precision: str) -> SimpleNamespace:
+    """The CUDA kernels for ``precision`` ``"float32"`` or ``"float64"`` (compiled lazily)."""
+    if precision not in ("float32", "float64"):
+        raise ValueError(f"precision must be 'float32' or 'float64'; got {precision!r}")
+    return _build(getattr(numba, precision))
+
+
+def _build(dt: Any) -> SimpleNamespace:
+    T = TILE
+    TT = TILE * TILE
+    TP = TILE + 1  # padded rows: column reads hit distinct banks
+    NEG_INF = -math.inf
+
+    @cuda.jit(device=True, inline=True)
+    def safe(x):
+        if math.isfinite(x):
+            return x
+        return dt(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def feature(kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r, end):
+        if t >= end or r >= lq.shape[2]:
+            return dt(0.0)
+        if kind == QUERY:
+            return math.exp(lq[b, t, r] + safe(mus[b, n, r]) - F[b, t])
+        if kind == WEIGHTED_QUERY:
+            return math.exp(lq[b, t, r] + safe(mus[b, n, r]) - F[b, t]) * math.exp(
+                flo[b, n] - Gm[b, t]
+            )
+        if kind == KEY_STATE:
+            return math.exp(lk[b, t, r] - safe(mus[b, n + 1, r]))
+        return math.exp(lk[b, t, r] - safe(mus[b, n, r]) - safe(G[b, t]))
+
+    @cuda.jit(device=True, inline=True)
+    def decay(mus, b, n, r):
+        old = mus[b, n, r]
+        if math.isfinite(old):
+            return math.exp(old - safe(mus[b, n + 1, r]))
+        return dt(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def pair_weight(G, Gm, b, j, t, end):
+        """exp(G_j - Gmax_t) for keys j <= t of the chunk, else 0."""
+        if t < end and j <= t:
+            return math.exp(G[b, j] - Gm[b, t])
+        return dt(0.0)
+
+    @cuda.jit
+    def chunk_max(lk, mus, chunk):
+        n = cuda.blockIdx.x
+        r = cuda.blockIdx.y * TT + cuda.threadIdx.x
+        b = cuda.blockIdx.z
+        if r < lk.shape[2]:
+            acc = dt(NEG_INF)
+            start = n * chunk
+            for t in range(start, min(start + chunk, lk.shape[1])):
+                acc = max(acc, lk[b, t, r])
+            mus[b, n + 1, r] = acc
+
+    @cuda.jit
+    def prefix_max(mu, mus, mu_out):
+        r = cuda.blockIdx.x * TT + cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        if r < mu.shape[1]:
+            run = mu[b, r]
+            mus[b, 0, r] = run
+            for n in range(1, mus.shape[1]):
+                run = max(run, mus[b, n, r])
+                mus[b, n, r] = run
+            mu_out[b, r] = run
+
+    @cuda.jit
+    def row_stats(lq, lk, mus, F, G, Gm, flo, chunk):
+        n = cuda.blockIdx.x
+        b = cuda.blockIdx.y
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        m = lq.shape[2]
+        start = n * chunk
+        end = min(start + chunk, lq.shape[1])
+        red_q = cuda.shared.array((T, T), dt)
+        red_k = cuda.shared.array((T, T), dt)
+        for row0 in range(start, end, T):
+            t = row0 + ty
+            fq = dt(NEG_INF)
+            gk = dt(NEG_INF)
+            if t < end:
+                for r in range(tx, m, T):
+                    s = safe(mus[b, n, r])
+                    fq = max(fq, lq[b, t, r] + s)
+                    gk = max(gk, lk[b, t, r] - s)
+            red_q[ty, tx] = fq
+            red_k[ty, tx] = gk
+            cuda.syncthreads()
+            step = T // 2
+            while step > 0:
+                if tx < step:
+                    red_q[ty, tx] = max(red_q[ty, tx], red_q[ty, tx + step])
+                    red_k[ty, tx] = max(red_k[ty, tx], red_k[ty, tx + step])
+                cuda.syncthreads()
+                step //= 2
+            if tx == 0 and t < end:
+                F[b, t] = safe(red_q[ty, 0])
+                G[b, t] = red_k[ty, 0]
+            cuda.syncthreads()
+        if tx == 0 and ty == 0:
+            floor = dt(NEG_INF)
+            for r in range(m):
+                if math.isfinite(mus[b, n, r]):
+                    floor = dt(0.0)
+                    break
+            flo[b, n] = floor
+            run = floor
+            for t in range(start, end):
+                run = max(run, G[b, t])
+                Gm[b, t] = safe(run)
+
+    @cuda.jit
+    def forward_intra(lq, lk, va, mus, F, G, Gm, flo, out, chunk, tiles):
+        n = cuda.blockIdx.x // tiles
+        qt = cuda.blockIdx.x % tiles
+        b = cuda.blockIdx.y
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        m = lq.shape[2]
+        width = va.shape[2]
+        start = n * chunk
+        end = min(start + chunk, lq.shape[1])
+        t0 = start + qt * T
+        if t0 >= end:
+            return
+        us = cuda.shared.array((T, T), dt)
+        ks = cuda.shared.array((T, TP), dt)
+        a_s = cuda.shared.array((T, T), dt)
+        vs = cuda.shared.array((T, T), dt)
+        t = t0 + ty
+        for kt in range(qt + 1):
+            j0 = start + kt * T
+            acc = dt(0.0)
+            for r0 in range(0, m, T):
+                us[ty, tx] = feature(QUERY, lq, lk, mus, F, G, Gm, flo, b, n, t, r0 + tx, end)
+                ks[ty, tx] = feature(KEY, lq, lk, mus, F, G, Gm, flo, b, n, j0 + ty, r0 + tx, end)
+                cuda.syncthreads()
+                for x in range(T):
+                    acc += us[ty, x] * ks[tx, x]
+                cuda.syncthreads()
+            a_s[ty, tx] = acc * pair_weight(G, Gm, b, j0 + tx, t, end)
+            cuda.syncthreads()
+            for c0 in range(0, width, T):
+                c = c0 + tx
+                j = j0 + ty
+                vs[ty, tx] = va[b, j, c] if (j < end and c < width) else dt(0.0)
+                cuda.syncthreads()
+                s = dt(0.0)
+                for y in range(T):
+                    s += a_s[ty, y] * vs[y, tx]
+                if t < end and c < width:
+                    if kt == 0:
+                        out[b, t, c] = s
+                    else:
+                        out[b, t, c] += s
+                cuda.syncthreads()
+
+    @cuda.jit
+    def scan_columns(lq, lk, z, mus, F, G, Gm, flo, state, out, chunk, x_kind, y_kind, reverse):
+        """Per chunk: ``out[t, c] += sum_r X[t, r] M[r, c]``, then
+        ``M[r, c] = decay_r M[r, c] + sum_t Y[t, r] z[t, c]``; block = a column tile."""
+        c0 = cuda.blockIdx.x * T
+        b = cuda.blockIdx.y
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        length = lq.shape[1]
+        m = lq.shape[2]
+        width = state.shape[2]
+        num_chunks = (length + chunk - 1) // chunk
+        xs = cuda.shared.array((T, T), dt)
+        ms = cuda.shared.array((T, T), dt)
+        ys = cuda.shared.array((T, T), dt)
+        zs = cuda.shared.array((T, T), dt)
+        c = c0 + tx
+        for step in range(num_chunks):
+            n = num_chunks - 1 - step if reverse else step
+            start = n * chunk
+            end = min(start + chunk, length)
+            for t0 in range(start, end, T):
+                t = t0 + ty
+                acc = dt(0.0)
+                for r0 in range(0, m, T):
+                    xs[ty, tx] = feature(x_kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r0 + tx, end)
+                    r = r0 + ty
+                    ms[ty, tx] = state[b, r, c] if (r < m and c < width) else dt(0.0)
+                    cuda.syncthreads()
+                    for x in range(T):
+                        acc += xs[ty, x] * ms[x, tx]
+                    cuda.syncthreads()
+                if t < end and c < width:
+                    out[b, t, c] += acc
+            for r0 in range(0, m, T):
+                r = r0 + ty
+                s = dt(0.0)
+                if r < m and c < width:
+                    s = decay(mus, b, n, r) * state[b, r, c]
+                for j0 in range(start, end, T):
+                    j = j0 + ty
+                    ys[ty, tx] = feature(y_kind, lq, lk, mus, F, G, Gm, flo, b, n, j, r0 + tx, end)
+                    zs[ty, tx] = z[b, j, c] if (j < end and c < width) else dt(0.0)
+                    cuda.syncthreads()
+                    for y in range(T):
+                        s += ys[y, ty] * zs[y, tx]
+                    cuda.syncthreads()
+                if r < m and c < width:
+                    state[b, r, c] = s
+
+    @cuda.jit
+    def scan_rows(lq, lk, z, w, mus, F, G, Gm, flo, state, out, chunk, x_kind, y_kind, reverse):
+        """Per chunk: ``out[t, r] += X[t, r] sum_c z[t, c] M[r, c]``, then
+        ``M[r, c] = decay_r M[r, c] + sum_t Y[t, r] w[t, c]``; block = a feature tile."""
+        r0 = cuda.blockIdx.x * T
+        b = cuda.blockIdx.y
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        length = lq.shape[1]
+        m = lq.shape[2]
+        width = state.shape[2]
+        num_chunks = (length + chunk - 1) // chunk
+        zs = cuda.shared.array((T, T), dt)
+        ms = cuda.shared.array((T, TP), dt)
+        ys = cuda.shared.array((T, T), dt)
+        ws = cuda.shared.array((T, T), dt)
+        r_own = r0 + ty
+        for step in range(num_chunks):
+            n = num_chunks - 1 - step if reverse else step
+            start = n * chunk
+            end = min(start + chunk, length)
+            for t0 in range(start, end, T):
+                t = t0 + ty
+                acc = dt(0.0)
+                for c0 in range(0, width, T):
+                    c = c0 + tx
+                    zs[ty, tx] = z[b, t, c] if (t < end and c < width) else dt(0.0)
+                    ms[ty, tx] = state[b, r_own, c] if (r_own < m and c < width) else dt(0.0)
+                    cuda.syncthreads()
+                    for x in range(T):
+                        acc += zs[ty, x] * ms[tx, x]
+                    cuda.syncthreads()
+                r = r0 + tx
+                if t < end and r < m:
+                    out[b, t, r] += (
+                        feature(x_kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r, end) * acc
+                    )
+            for c0 in range(0, width, T):
+                c = c0 + tx
+                s = dt(0.0)
+                if r_own < m and c < width:
+                    s = decay(mus, b, n, r_own) * state[b, r_own, c]
+                for j0 in range(start, end, T):
+                    j = j0 + ty
+                    ys[ty, tx] = feature(y_kind, lq, lk, mus, F, G, Gm, flo, b, n, j, r0 + tx, end)
+                    ws[ty, tx] = w[b, j, c] if (j < end and c < width) else dt(0.0)
+                    cuda.syncthreads()
+                    for y in range(T):
+                        s += ys[y, ty] * ws[y, tx]
+                    cuda.syncthreads()
+                if r_own < m and c < width:
+                    state[b, r_own, c] = s
+
+    @cuda.jit
+    def backward_intra_queries(lq, lk, va, dout, mus, F, G, Gm, flo, dlq, chunk, tiles):
+        """``dl(q)[t, r] = u[t, r] sum_{j<=t} P[t, j] psi[j, r]``, P = (dO va^T) e."""
+        n = cuda.blockIdx.x // tiles
+        qt = cuda.blockIdx.x % tiles
+        b = cuda.blockIdx.y
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        m = lq.shape[2]
+        width = va.shape[2]
+        start = n * chunk
+        end = min(start + chunk, lq.shape[1])
+        t0 = start + qt * T
+        if t0 >= end:
+            return
+        ds = cuda.shared.array((T, T), dt)
+        vs = cuda.shared.array((T, TP), dt)
+        ps = cuda.shared.array((T, T), dt)
+        ks = cuda.shared.array((T, T), dt)
+        t = t0 + ty
+        for kt in range(qt + 1):
+            j0 = start + kt * T
+            acc = dt(0.0)
+            for c0 in range(0, width, T):
+                c = c0 + tx
+                j = j0 + ty
+                ds[ty, tx] = dout[b, t, c] if (t < end and c < width) else dt(0.0)
+                vs[ty, tx] = va[b, j, c] if (j < end and c < width) else dt(0.0)
+                cuda.syncthreads()
+                for x in range(T):
+                    acc += ds[ty, x] * vs[tx, x]
+                cuda.syncthreads()
+            ps[ty, tx] = acc * pair_weight(G, Gm, b, j0 + tx, t, end)
+            cuda.syncthreads()
+            for r0 in range(0, m, T):
+                ks[ty, tx] = feature(KEY, lq, lk, mus, F, G, Gm, flo, b, n, j0 + ty, r0 + tx, end)
+                cuda.syncthreads()
+                s = dt(0.0)
+                for y in range(T):
+                    s += ps[ty, y] * ks[y, tx]
+                r = r0 + tx
+                if t < end and r < m:
+                    val = feature(QUERY, lq, lk, mus, F, G, Gm, flo, b, n, t, r, end) * s
+                    if kt == 0:
+                        dlq[b, t, r] = val
+                    else:
+                        dlq[b, t, r] += val
+                cuda.syncthreads()
+
+    @cuda.jit
+    def backward_intra_keys(lq, lk, va, dout, mus, F, G, Gm, flo, dlk, dva, chunk, tiles):
+        """``dl(k)[j, r] = psi[j, r] sum_{t>=j} P[t, j] u[t, r]`` and
+        ``d[V|1][j, c] = sum_{t>=j} A[t, j] dO[t, c]``, A = (u psi^T) e."""
+        n = cuda.blockIdx.x // tiles
+        kt = cuda.blockIdx.x % tiles
+        b = cuda.blockIdx.y
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        m = lq.shape[2]
+        width = va.shape[2]
+        start = n * chunk
+        end = min(start + chunk, lq.shape[1])
+        j0 = start + kt * T
+        if j0 >= end:
+            return
+        a_s = cuda.shared.array((T, T), dt)
+        b_s = cuda.shared.array((T, TP), dt)
+        pts = cuda.shared.array((T, T), dt)
+        ats = cuda.shared.array((T, T), dt)
+        j = j0 + ty
+        last = (end - start - 1) // T
+        for qt in range(kt, last + 1):
+            t0 = start + qt * T
+            accp = dt(0.0)
+            for c0 in range(0, width, T):
+                c = c0 + tx
+                a_s[ty, tx] = va[b, j, c] if (j < end and c < width) else dt(0.0)
+                tt = t0 + ty
+                b_s[ty, tx] = dout[b, tt, c] if (tt < end and c < width) else dt(0.0)
+                cuda.syncthreads()
+                for x in range(T):
+                    accp += a_s[ty, x] * b_s[tx, x]
+                cuda.syncthreads()
+            acca = dt(0.0)
+            for r0 in range(0, m, T):
+                a_s[ty, tx] = feature(KEY, lq, lk, mus, F, G, Gm, flo, b, n, j, r0 + tx, end)
+                b_s[ty, tx] = feature(
+                    QUERY, lq, lk, mus, F, G, Gm, flo, b, n, t0 + ty, r0 + tx, end
+                )
+                cuda.syncthreads()
+                for x in range(T):
+                    acca += a_s[ty, x] * b_s[tx, x]
+                cuda.syncthreads()
+            e = pair_weight(G, Gm, b, j, t0 + tx, end)
+            pts[ty, tx] = accp * e
+            ats[ty, tx] = acca * e
+            cuda.syncthreads()
+            for r0 in range(0, m, T):
+                a_s[ty, tx] = feature(
+                    QUERY, lq, lk, mus, F, G, Gm, flo, b, n, t0 + ty, r0 + tx, end
+                )
+                cuda.syncthreads()
+                s = dt(0.0)
+                for y in range(T):
+                    s += pts[ty, y] * a_s[y, tx]
+                r = r0 + tx
+                if j < end and r < m:
+                    val = feature(KEY, lq, lk, mus, F, G, Gm, flo, b, n, j, r, end) * s
+                    if qt == kt:
+                        dlk[b, j, r] = val
+                    else:
+                        dlk[b, j, r] += val
+                cuda.syncthreads()
+            for c0 in range(0, width, T):
+                c = c0 + tx
+                tt = t0 + ty
+                a_s[ty, tx] = dout[b, tt, c] if (tt < end and c < width) else dt(0.0)
+                cuda.syncthreads()
+                s = dt(0.0)
+                for y in range(T):
+                    s += ats[ty, y] * a_s[y, tx]
+                if j < end and c < width:
+                    if qt == kt:
+                        dva[b, j, c] = s
+                    else:
+                        dva[b, j, c] += s
+                cuda.syncthreads()
+
+    return SimpleNamespace(
+        chunk_max=chunk_max,
+        prefix_max=prefix_max,
+        row_stats=row_stats,
+        forward_intra=forward_intra,
+        scan_columns=scan_columns,
+        scan_rows=scan_rows,
+        backward_intra_queries=backward_intra_queries,
+        backward_intra_keys=backward_intra_keys,
+    )
+
+
+def signatures(precision: str) -> dict[str, str]:
+    """Argument types of every kernel (C-contiguous arrays), for ahead-of-time PTX checks."""
+    a2, a3 = (f"{precision}[{', '.join([':'] * (k - 1) + ['::1'])}]" for k in (2, 3))
+    stats = f"{a3}, {a2}, {a2}, {a2}, {a2}"  # mus, F, G, Gm, flo
+    i = "int64"
+    return {
+        "chunk_max": f"void({a3}, {a3}, {i})",
+        "prefix_max": f"void({a2}, {a3}, {a2})",
+        "row_stats": f"void({a3}, {a3}, {stats}, {i})",
+        "forward_intra": f"void({a3}, {a3}, {a3}, {stats}, {a3}, {i}, {i})",
+        "scan_columns": f"void({a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i}, {i}, boolean)",
+        "scan_rows": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i}, {i}, boolean)",
+        "backward_intra_queries": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {i}, {i})",
+        "backward_intra_keys": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i})",
+    }

@@ -1,0 +1,303 @@
+"""The ``linattn`` command line: every subcommand at tiny sizes, files written, bad options.
+
+Commands run in-process through ``main([...])``; each returns its exit status.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("rich")
+pytest.importorskip("matplotlib")
+
+import linattn as la
+from linattn import cli
+from linattn._cli_backends import BackendUnavailable, load_library
+from linattn._cli_studies import (
+    BenchRow,
+    _crossing,
+    accuracy_study,
+    crossovers,
+    parse_estimator,
+    seed_data,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_demo_writes_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    status = cli.main(
+        [
+            "demo",
+            "--out",
+            str(out),
+            "--seeds",
+            "2",
+            "--num-features",
+            "8,16",
+            "--estimators",
+            "positive-iid,hyperbolic-orf",
+            "--lengths",
+            "16,32",
+            "--repeats",
+            "1",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0
+    for name in ("accuracy.png", "bench.png", "demo.png"):
+        assert _is_png(out / name), name
+    for heading in ("Attention output MSE", "Bidirectional", "Causal", "Crossover"):
+        assert heading in printed
+    with (out / "bench.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["method"], r["mode"]) for r in rows} == {
+        (method, mode) for method in ("exact", "linear") for mode in ("bidirectional", "causal")
+    }
+    assert {int(r["length"]) for r in rows} == {16, 32}
+
+
+def test_accuracy_json_matches_direct_computation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = cli.main(
+        [
+            "accuracy",
+            "--out",
+            str(tmp_path),
+            "--estimators",
+            "positive-orf",
+            "--num-features",
+            "16",
+            "--length",
+            "12",
+            "--head-dim",
+            "8",
+            "--seeds",
+            "1",
+            "--input-scale",
+            "0.5",
+            "--data-seed",
+            "3",
+            "--format",
+            "json",
+        ]
+    )
+    assert status == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    mse = next(r for r in results if r["metric"] == "mse")
+    q, k, v = seed_data(12, 8, 0.5, 3)
+    feature_map = la.FeatureMap(8, 16, kind="positive", orthogonal=True, seed=0)
+    expected = np.mean(
+        (la.linear_attention(q, k, v, feature_map) - la.softmax_attention(q, k, v)) ** 2
+    )
+    assert mse["mean"] == pytest.approx(expected, rel=1e-9)
+    assert mse["draws"] == 1
+    assert _is_png(tmp_path / "accuracy.png")
+    assert (tmp_path / "accuracy.csv").is_file()
+    assert json.loads((tmp_path / "accuracy.json").read_text())["results"] == results
+
+
+def test_accuracy_table_and_causal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["accuracy", "--out", str(tmp_path), "--num-features", "8,16", "--seeds", "2"]
+    args += ["--length", "16", "--head-dim", "8", "--causal", "--estimators", "trigonometric-iid"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "Total variation" in printed
+    assert "causal" in printed
+    assert "slope" in printed
+
+
+def test_total_variation_is_zero_for_an_exact_kernel() -> None:
+    """With q = 0 every kernel value is 1: each estimator's attention rows are exact."""
+    rows = accuracy_study(
+        load_library("numpy", "float64"),
+        [parse_estimator("positive-iid")],
+        [8],
+        length=6,
+        head_dim=4,
+        input_scale=1e-12,
+        draws=2,
+    )
+    tv = next(r for r in rows if r.metric == "tv")
+    assert tv.mean < 1e-9
+
+
+def test_bench_csv_and_skipped_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = cli.main(
+        [
+            "bench",
+            "--out",
+            str(tmp_path),
+            "--lengths",
+            "16,32",
+            "--heads",
+            "1",
+            "--head-dim",
+            "8",
+            "--num-features",
+            "16",
+            "--repeats",
+            "1",
+            "--max-exact-length",
+            "16",
+            "--modes",
+            "causal",
+            "--format",
+            "csv",
+        ]
+    )
+    assert status == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [(r["length"], r["method"], r["mode"]) for r in rows] == [
+        ("16", "exact", "causal"),
+        ("16", "linear", "causal"),
+        ("32", "exact", "causal"),
+        ("32", "linear", "causal"),
+    ]
+    assert rows[2]["seconds"] == ""
+    assert "skipped" in rows[2]["note"]
+    assert float(rows[3]["seconds"]) > 0
+    assert int(rows[3]["peak_bytes"]) > 0
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert {"cpu", "cores", "numpy", "causal path", "workload"} <= set(payload["machine"])
+    assert _is_png(tmp_path / "bench.png")
+
+
+def test_bench_table_has_machine_header(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "--out", str(tmp_path), "--lengths", "8", "--heads", "1", "--head-dim", "4"]
+    args += ["--num-features", "8", "--repeats", "1", "--methods", "linear"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "cpu" in printed
+    assert "peak memory" in printed
+    assert "tracemalloc" in printed
+
+
+def test_info(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info"]) == 0
+    printed = capsys.readouterr().out
+    assert "numba-cpu" in printed
+    assert "Array backends" in printed
+    assert cli.main(["info", "--format", "json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert set(payload["kernels"]) == {"numba-cpu", "numba-cuda"}
+    numpy_row = next(r for r in payload["backends"] if r["backend"] == "numpy")
+    assert numpy_row["available"] == "yes"
+    assert payload["versions"]["numpy"] == np.__version__
+
+
+def test_python_dash_m() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "linattn", "--version"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0
+    assert la.__version__ in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        ([], "command"),
+        (["demo", "--lengths", "8,x"], "--lengths"),
+        (["demo", "--seeds", "0"], "--seeds"),
+        (["accuracy", "--num-features", "0,8"], "--num-features"),
+        (["accuracy", "--estimators", "bogus-orf"], "--estimators"),
+        (["accuracy", "--estimators", "hyperbolic-orf", "--num-features", "7"], "--num-features"),
+        (["accuracy", "--input-scale", "-1"], "--input-scale"),
+        (["accuracy", "--dtype", "float16"], "--dtype"),
+        (["bench", "--backend", "tensorflow"], "--backend"),
+        (["bench", "--modes", "sideways"], "--modes"),
+        (["bench", "--methods", ""], "--methods"),
+        (["bench", "--kind", "elu", "--num-features", "16"], "--num-features"),
+        (["bench", "--repeats", "-2"], "--repeats"),
+        (["info", "--format", "yaml"], "--format"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_option(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert option in error
+    assert "error" in error
+
+
+def test_out_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["bench", "--out", str(blocker), "--lengths", "8"]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_unavailable_backend_exits_2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def unavailable(name: str, dtype: str) -> None:
+        raise BackendUnavailable(f"{name} is installed but finds no GPU")
+
+    monkeypatch.setattr(cli, "load_library", unavailable)
+    assert cli.main(["bench", "--backend", "cupy", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "--backend" in error
+    assert "no GPU" in error
+
+
+def test_crossing_is_interpolated_in_log_log() -> None:
+    # ratio linear/exact falls from 2 to 1/2 between L=100 and L=400: crosses at 200.
+    length, text = _crossing([(100, 2.0), (400, 0.5)])
+    assert length == pytest.approx(200.0)
+    assert "200" in text
+    assert _crossing([(100, 0.5)])[0] is None
+    assert "≤ 100" in _crossing([(100, 0.5)])[1]
+    assert "> 400" in _crossing([(100, 2.0), (400, 1.5)])[1]
+
+
+def test_crossovers_by_mode_and_quantity() -> None:
+    rows = [
+        BenchRow(100, "exact", "causal", 1.0, 100),
+        BenchRow(100, "linear", "causal", 4.0, 25),
+        BenchRow(400, "exact", "causal", 16.0, 1600),
+        BenchRow(400, "linear", "causal", 1.0, 100),
+    ]
+    found = {(c.mode, c.quantity): c for c in crossovers(rows)}
+    assert set(found) == {("causal", "time"), ("causal", "peak memory")}
+    # time ratio 4 -> 1/16: log-linear crossing at 100 * 4**(log 4 / log 64) = 100 * 4**(1/3)
+    assert found[("causal", "time")].length == pytest.approx(100 * 4 ** (1 / 3))
+    assert found[("causal", "peak memory")].length is None
+
+
+@pytest.mark.parametrize(
+    ("text", "label"),
+    [
+        ("positive-iid", "positive-iid"),
+        ("hyperbolic", "hyperbolic-orf"),
+        (" positive-orf", "positive-orf"),
+    ],
+)
+def test_parse_estimator(text: str, label: str) -> None:
+    assert parse_estimator(text).label == label
+
+
+def test_fitted_slope_of_exact_power_law() -> None:
+    from linattn._cli_studies import AccuracyRow, fitted_slope
+
+    rows = [AccuracyRow("e", m, "mse", 3.0 / m, 0.0, 0.0, 1) for m in (8, 16, 64)]
+    assert fitted_slope(rows, "e") == pytest.approx(-1.0)
+    assert math.isnan(fitted_slope(rows[:1], "e"))
