@@ -86,8 +86,12 @@ def kernels(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def cudasim(session: nox.Session) -> None:
-    """The Numba CUDA kernels under the CUDA simulator (no GPU needed)."""
-    session.install("-e", ".[cuda,numba]", *TEST)
+    """The Numba CUDA kernels under the CUDA simulator (no GPU needed).
+
+    SciPy (the CPU kernel's BLAS) and torch (autograd of the array-API path) give
+    the two independent references the CUDA kernels are compared against.
+    """
+    session.install("-e", ".[cuda,numba]", "scipy", TORCH, *TEST)
     session.run(
         "pytest",
         "tests/test_cuda.py",
@@ -108,7 +112,9 @@ def docs(session: nox.Session) -> None:
     """Build the Sphinx site with warnings as errors and run every doctest."""
     session.install("-e", ".[numba,cli]", "-r", "docs/requirements.txt")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
-    session.run("sphinx-build", "-W", "--keep-going", "-b", "doctest", "docs", "docs/_build/doctest")
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-b", "doctest", "docs", "docs/_build/doctest"
+    )
     session.run(
         "pytest", "--doctest-modules", "linattn", "-p", "no:cacheprovider", *session.posargs
     )
@@ -118,9 +124,7 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """pytest-benchmark suites (speed and memory ratios measured in one run)."""
     session.install("-e", ".[numba,cli]", "pytest>=8", "pytest-benchmark>=4", TORCH)
-    session.run(
-        "pytest", "benchmarks", "--benchmark-only", "-p", "no:randomly", *session.posargs
-    )
+    session.run("pytest", "benchmarks", "--benchmark-only", "-p", "no:randomly", *session.posargs)
 
 
 @nox.session(python=PYTHON, default=False)

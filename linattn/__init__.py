@@ -8,6 +8,7 @@ from linattn.attention import favor_attention, linear_attention, softmax_attenti
 from linattn.features import KINDS, FeatureMap
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState, combine
+from linattn.vjp import linear_attention_vjp
 
 __all__ = [
     "KINDS",
@@ -17,6 +18,7 @@ __all__ = [
     "favor_attention",
     "gaussian_projection",
     "linear_attention",
+    "linear_attention_vjp",
     "softmax_attention",
 ]
 

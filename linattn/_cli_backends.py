@@ -220,7 +220,9 @@ def _jax(dtype: str) -> ArrayLibrary:
     return ArrayLibrary(
         "jax",
         jax.__version__,
-        f"{device.platform} ({device.device_kind})",
+        device.platform
+        if device.device_kind == device.platform
+        else f"{device.platform} ({device.device_kind})",
         asarray,
         wait,
         _rss_peak if on_cpu else _no_probe,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from linattn import causal as causal_path
 from linattn._xp import Array, Namespace
 
-__all__ = ["BACKENDS", "causal", "kernel_status", "resolve_backend"]
+__all__ = ["BACKENDS", "causal", "causal_backward_kernel", "kernel_status", "resolve_backend"]
 
 BACKENDS = ("auto", "numba", "array_api")
 ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
@@ -83,3 +83,32 @@ def causal(
     return causal_path.causal(
         xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift, chunk_size
     )
+
+
+def causal_backward_kernel(
+    x: Array, *, signed: bool, backend: str | None
+) -> Callable[..., tuple[Array, Array, Array, Array]] | None:
+    """The compiled causal backward for arrays like ``x``, or ``None`` for the array API.
+
+    Only NumPy arrays with positive features have one (torch users get the kernel's
+    gradients through autograd); ``backend="numba"`` on anything else raises.
+    """
+    chosen = resolve_backend(backend)
+    if chosen == "array_api":
+        return None
+    kernel, reason = None, "the compiled backward serves NumPy arrays only"
+    if type(x).__module__.split(".")[0] == "numpy":
+        try:
+            from linattn_numba import cpu
+
+            kernel, reason = cpu.causal_backward_kernel("numpy"), "available"
+        except ImportError as error:
+            reason = f"linattn_numba cannot be imported ({error}); install linattn[numba]"
+    if kernel is not None and signed:
+        kernel, reason = None, "the kernels take positive features only"
+    if kernel is None and chosen == "numba":
+        raise ValueError(
+            f"backend='numba' cannot serve these arrays "
+            f"({type(x).__module__}.{type(x).__name__}): {reason}"
+        )
+    return kernel

@@ -56,16 +56,12 @@ def namespace_of(**arrays: Array | None) -> Namespace:
         return array_api_compat.array_namespace(*present.values())
     except TypeError:
         kinds = ", ".join(f"{name}: {library_name(a)}" for name, a in present.items())
-        raise TypeError(
-            f"all arrays must come from one array library; got {kinds}"
-        ) from None
+        raise TypeError(f"all arrays must come from one array library; got {kinds}") from None
 
 
 def device_of(**arrays: Array | None) -> Any:
     """The one device shared by the named arrays; ``ValueError`` naming them if they differ."""
-    devices = {
-        name: array_api_compat.device(a) for name, a in arrays.items() if a is not None
-    }
+    devices = {name: array_api_compat.device(a) for name, a in arrays.items() if a is not None}
     # Arrays being traced (JAX under jit or grad) report no device: nothing to compare.
     known = {name: dev for name, dev in devices.items() if dev is not None}
     if not known:

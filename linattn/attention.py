@@ -181,7 +181,9 @@ def linear_attention(
     True
     """
     if not isinstance(feature_map, FeatureMap):
-        raise TypeError(f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}")
+        raise TypeError(
+            f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
+        )
     extra = {} if state is None else _state_arrays(state)
     info = check_attention_inputs(
         q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
@@ -213,9 +215,7 @@ def linear_attention(
     log_phi_q, sign_q = feature_map.signed_log_features(q, role="query")
     log_phi_k, sign_k = feature_map.signed_log_features(k, role="key")
     if key_mask is not None:
-        log_phi_k = xp.where(
-            key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k)
-        )
+        log_phi_k = xp.where(key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
     values_aug = xp.astype(v, work)
     values_aug = xp.concat([values_aug, xp.ones_like(values_aug[..., :1])], axis=-1)
 
@@ -386,7 +386,8 @@ def _check_state(
         )
     if state.kv.dtype != work or state.log_shift.dtype != work:
         raise TypeError(
-            f"state must hold {dtype_name(work)} arrays for these inputs; got kv {state.kv.dtype}, "
+            f"state must hold {dtype_name(work)} arrays for these inputs; got kv "
+            f"{state.kv.dtype}, "
             f"log_shift {state.log_shift.dtype}"
         )
     return broadcast_shapes({"inputs": info.batch_shape, "state": tuple(state.kv.shape[:-2])})

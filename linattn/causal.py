@@ -32,7 +32,7 @@ __all__ = ["bidirectional", "causal", "normalise", "readout"]
 def readout(
     xp: Namespace, kv: Array, log_shift: Array, log_phi_q: Array, sign_q: Array | None
 ) -> Array:
-    """Queries against a state: ``u^T S`` with ``u = exp(l(q) + mu - F)``, shape ``(..., L, d_v+1)``."""
+    """Queries against a state: ``u^T S`` with ``u = exp(l(q) + mu - F)``, ``(..., L, d_v+1)``."""
     shifted = log_phi_q + safe_shift(xp, log_shift)[..., None, :]
     row_max = safe_shift(xp, xp.max(shifted, axis=-1, keepdims=True))
     u = xp.exp(shifted - row_max)

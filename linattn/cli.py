@@ -425,16 +425,23 @@ def _out_dir(args: argparse.Namespace) -> Path:
     return out
 
 
-def _check_estimators(estimators: Sequence[Estimator], num_features: Sequence[int]) -> None:
-    for estimator in estimators:
-        _, rows_per_feature = la.KINDS[estimator.kind]
-        odd = [m for m in num_features if m % rows_per_feature]
-        if odd:
-            raise UsageError(
-                "--num-features",
-                f"{estimator.label} needs even feature counts (m/2 projection rows); "
-                f"got {', '.join(map(str, odd))}",
-            )
+def _check_estimators(args: argparse.Namespace) -> None:
+    """Every estimator must accept every feature count (e.g. even m for paired kinds)."""
+    for estimator in args.estimators:
+        for m in args.num_features:
+            try:
+                estimator.feature_map(args.head_dim, m, seed=0)
+            except ValueError as error:
+                raise UsageError(
+                    "--estimators/--num-features", f"{estimator.label} with m={m}: {error}"
+                ) from None
+
+
+def _check_environment() -> None:
+    try:
+        _dispatch.resolve_backend(None)
+    except ValueError as error:
+        raise UsageError(f"${_dispatch.ENVIRONMENT_VARIABLE}", str(error)) from None
 
 
 def _bench_setup(args: argparse.Namespace) -> BenchSetup:
@@ -553,7 +560,7 @@ def _demo(args: argparse.Namespace) -> int:
     from linattn import _cli_report as report
 
     start = time.perf_counter()
-    _check_estimators(args.estimators, args.num_features)
+    _check_estimators(args)
     setup = _bench_setup(args)
     out = _out_dir(args)
     library = _library(args)
@@ -617,7 +624,7 @@ def _emit(fmt: str, rows: Sequence[Any], payload: dict[str, Any]) -> bool:
 def _accuracy(args: argparse.Namespace) -> int:
     from linattn import _cli_report as report
 
-    _check_estimators(args.estimators, args.num_features)
+    _check_estimators(args)
     out = _out_dir(args)
     library = _library(args)
     with _progress(args.format == "table") as progress:
@@ -784,6 +791,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
+        if args.command != "info":
+            _check_environment()
         return int(args.run(args))
     except UsageError as error:
         args.parser.print_usage(sys.stderr)

@@ -600,9 +600,7 @@ class FeatureMap:
 
     def _projection_like(self, xp: Any, x: Array) -> Array:
         assert self._projection is not None
-        return from_host(
-            xp, self._projection, dtype=x.dtype, device=array_api_compat.device(x)
-        )
+        return from_host(xp, self._projection, dtype=x.dtype, device=array_api_compat.device(x))
 
 
 def _restore(fields: dict[str, Any]) -> FeatureMap:
@@ -615,7 +613,7 @@ def _restore(fields: dict[str, Any]) -> FeatureMap:
 def _check_kind(kind: object) -> tuple[bool, int]:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
-    return KINDS[kind]  # type: ignore[index]
+    return KINDS[kind]
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from numba import cuda
+from numba import cuda as _target
 from numba.core import config
 
 __all__ = [
@@ -32,7 +32,10 @@ __all__ = [
     "to_device",
 ]
 
-SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
+cuda: Any = _target
+"""numba's CUDA target (typed ``Any``: kernels are typed by numba, not by mypy)."""
+
+SIMULATOR: bool = bool(getattr(config, "ENABLE_CUDASIM", 0))
 """True when kernels run in numba's CUDA simulator (Python threads on the CPU)."""
 
 TILE: int = 4 if SIMULATOR else 16

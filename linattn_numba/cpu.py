@@ -533,6 +533,8 @@ _CONTROLLER: list[Any] = []
 def _blas_controller() -> Any:
     if not _CONTROLLER:
         try:
+            # Numba's np.dot calls the BLAS that SciPy ships: load it before looking.
+            import scipy.linalg.cython_blas  # noqa: F401
             from threadpoolctl import ThreadpoolController
 
             _CONTROLLER.append(ThreadpoolController())

@@ -178,7 +178,7 @@ class _Torch(_Library):
         return isinstance(x, torch.Tensor)
 
     def device_id(self, x: Any) -> int | None:
-        return int(x.device.index or 0) if x.device.type == "cuda" else None
+        return int(x.get_device()) if x.device.type == "cuda" else None
 
     def _dtype(self, dtype: str) -> Any:
         import torch
@@ -240,7 +240,7 @@ class _Problem:
         """Query (or key) tiles per chunk."""
         return -(-min(self.chunk, self.length) // TILE)
 
-    def shape(self, kind: str) -> tuple[int, int, int] | tuple[int, int]:
+    def shape(self, kind: str) -> tuple[int, ...]:
         """Flattened shape of ``"features"``, ``"values"``, ``"state"`` or ``"shift"``."""
         return {
             "features": (self.batch, self.length, self.m),
@@ -314,9 +314,18 @@ class _Launcher:
     def __init__(self, problem: _Problem) -> None:
         self.kernels = kernels(problem.dtype)
         self.stream = problem.lib.stream(problem.device)
-        self.view = problem.lib.view
+        self.library_view = problem.lib.view
+        self.views: dict[int, tuple[Any, Any]] = {}
 
-    def __call__(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], *args: Any):
+    def view(self, x: Any) -> Any:
+        """numba's view of ``x``, made once per array (the arrays outlive the launcher)."""
+        if id(x) not in self.views:
+            self.views[id(x)] = (x, self.library_view(x))
+        return self.views[id(x)][1]
+
+    def __call__(
+        self, name: str, grid: tuple[int, ...], block: tuple[int, ...], *args: Any
+    ) -> None:
         if 0 in grid:
             return
         args = tuple(a if isinstance(a, int | bool) else self.view(a) for a in args)
@@ -331,7 +340,9 @@ class _Launcher:
             ) from error
 
 
-def _stabilisers(p: _Problem, launch: _Launcher, lq: Any, lk: Any, mu: Any, mu_out: Any):
+def _stabilisers(
+    p: _Problem, launch: _Launcher, lq: Any, lk: Any, mu: Any, mu_out: Any
+) -> tuple[Any, ...]:
     """``mus, F, G, Gm, flo`` of every chunk (see ``_gpu_kernels``); writes ``mu_out``."""
     mus = p.lib.empty((p.batch, p.num_chunks + 1, p.m), p.dtype, p.device)
     F, G, Gm = (p.lib.empty((p.batch, p.length), p.dtype, p.device) for _ in range(3))

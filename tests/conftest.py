@@ -138,7 +138,8 @@ def selected_backends() -> list[str]:
         unknown = [n for n in names if n not in BACKENDS]
         if unknown:
             raise pytest.UsageError(
-                f"LINATTN_TEST_BACKENDS names unknown backends {unknown}; known: {sorted(BACKENDS)}"
+                f"LINATTN_TEST_BACKENDS names unknown backends {unknown}; "
+                f"known: {sorted(BACKENDS)}"
             )
         return names
     return [n for n, b in BACKENDS.items() if _installed(b.module) and n != "cupy"] + (
@@ -147,6 +148,11 @@ def selected_backends() -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "needs(backend): run only when that backend is selected (default: tests that do not "
+        "take the backend fixture run with the numpy backend only)",
+    )
     if _installed("jax"):
         import jax
 
@@ -177,7 +183,7 @@ def assert_close(
     atol: float = 0.0,
     dtype: str | None = None,
 ) -> None:
-    """``actual`` is the backend's array type, on its device, of ``dtype``, close to ``expected``."""
+    """``actual`` has the backend's type, device and ``dtype``, and is close to ``expected``."""
     like = backend.asarray(np.zeros(1), dtype=dtype)
     assert type(actual) is type(like), f"expected {type(like)}, got {type(actual)}"
     assert array_api_compat.device(actual) == array_api_compat.device(like)
@@ -185,3 +191,26 @@ def assert_close(
         assert actual.dtype == like.dtype, f"dtype {actual.dtype} != {like.dtype}"
     assert tuple(actual.shape) == tuple(expected.shape)
     np.testing.assert_allclose(backend.to_numpy(actual), expected, rtol=rtol, atol=atol)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run backend-independent tests once, in the sessions that select NumPy.
+
+    A test that takes the ``backend`` fixture runs on every selected backend; one marked
+    ``needs(name)`` runs when ``name`` is selected; every other test runs when ``numpy``
+    is selected, so the per-backend nox sessions do not repeat it.
+    """
+    selected = set(selected_backends())
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("needs")
+        if marker is not None:
+            wanted = marker.args[0]
+        elif "backend" in getattr(item, "fixturenames", ()):
+            wanted = None
+        else:
+            wanted = "numpy"
+        (keep if wanted is None or wanted in selected else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

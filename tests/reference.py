@@ -29,16 +29,25 @@ def features64(fm: la.FeatureMap, x: np.ndarray, role: str = "query") -> np.ndar
     if fm.kind == "positive":
         return np.exp(proj - sq / 2) / np.sqrt(m)
     if fm.kind == "hyperbolic":
-        return np.concatenate([np.exp(proj), np.exp(-proj)], axis=-1) * np.exp(-sq / 2) / np.sqrt(m)
+        return (
+            np.concatenate([np.exp(proj), np.exp(-proj)], axis=-1) * np.exp(-sq / 2) / np.sqrt(m)
+        )
     if fm.kind in ("oprf", "hyperbolic_oprf"):
         a = fm.oprf_a
         b = np.sqrt(1 - 4 * a)
         energy = a * np.sum(w**2, axis=1)
         signs = [1.0, -1.0] if fm.kind == "hyperbolic_oprf" else [1.0]
         parts = [np.exp(energy + s * b * proj) for s in signs]
-        return np.concatenate(parts, axis=-1) * np.exp(-sq / 2) * (1 - 4 * a) ** (fm.head_dim / 4) / np.sqrt(m)
+        return (
+            np.concatenate(parts, axis=-1)
+            * np.exp(-sq / 2)
+            * (1 - 4 * a) ** (fm.head_dim / 4)
+            / np.sqrt(m)
+        )
     if fm.kind == "trigonometric":
-        return np.concatenate([np.cos(proj), np.sin(proj)], axis=-1) * np.exp(sq / 2) / np.sqrt(m / 2)
+        return (
+            np.concatenate([np.cos(proj), np.sin(proj)], axis=-1) * np.exp(sq / 2) / np.sqrt(m / 2)
+        )
     if fm.kind == "random_relu":
         return np.maximum(proj, 0.0) + 1e-3
     raise AssertionError(fm.kind)

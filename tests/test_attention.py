@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from conftest import Backend, assert_close
@@ -119,7 +121,7 @@ def test_whole_equals_pieces_equals_tokens(backend: Backend) -> None:
     for cuts in ([0, 5, 6, 13], list(range(14))):
         state = None
         parts = []
-        for start, stop in zip(cuts[:-1], cuts[1:], strict=True):
+        for start, stop in itertools.pairwise(cuts):
             piece = (a[..., start:stop, :] for a in (q, k, v))
             out, state = la.linear_attention(
                 *piece, fm, causal=True, state=state, return_state=True, chunk_size=4
@@ -141,7 +143,7 @@ def test_chunk_size_does_not_change_results(backend: Backend) -> None:
 
 
 def test_causality_is_exact_in_floating_point(backend: Backend) -> None:
-    """A future key whose log-features exceed all others by ~50 leaves earlier outputs unchanged."""
+    """A future key with log-features ~50 above the rest leaves earlier outputs unchanged."""
     d = 8
     projection = la.FeatureMap(d, 16, seed=0).projection
     assert projection is not None
@@ -239,7 +241,9 @@ def test_state_round_trip_errors() -> None:
     with pytest.raises(ValueError, match=r"state.kv must have shape \(\.\.\., 16, 4\)"):
         la.linear_attention(q, k, v[:, :3], fm, causal=True, state=state)
     with pytest.raises(TypeError, match="state must hold float32 arrays"):
-        la.linear_attention(*(a.astype(np.float32) for a in (q, k, v)), fm, causal=True, state=state)
+        la.linear_attention(
+            *(a.astype(np.float32) for a in (q, k, v)), fm, causal=True, state=state
+        )
     with pytest.raises(ValueError, match="state and return_state need causal=True"):
         la.linear_attention(q, k, v, fm, state=state)
     with pytest.raises(TypeError, match="state must be a LinearAttentionState"):
@@ -252,21 +256,73 @@ def _bad_calls():
     xps = pytest.importorskip("array_api_strict")
     return [
         ((q, k, v, "fm"), {}, TypeError, "feature_map must be a linattn.FeatureMap; got str"),
-        ((q[0], k, v, fm), {}, ValueError, r"q must have at least 2 dimensions .* got shape \(8,\)"),
+        (
+            (q[0], k, v, fm),
+            {},
+            ValueError,
+            r"q must have at least 2 dimensions .* got shape \(8,\)",
+        ),
         ((q[:, :5], k[:, :5], v, fm), {}, ValueError, "head dimension 8 to match feature_map"),
         ((q, k[:, :5], v, fm), {}, ValueError, "q and k must have the same head dimension"),
         ((q, k, v[:7], fm), {}, ValueError, "k and v must have the same length"),
-        ((q[:5], k, v, fm), {"causal": True}, ValueError, "causal attention needs queries and keys of the same length"),
-        ((q.astype(int), k, v, fm), {}, TypeError, "q must have a real floating dtype .* got int64"),
-        ((q, k.astype(complex), v, fm), {}, TypeError, "k must have a real floating dtype .* got complex128"),
-        ((q, xps.asarray(k), v, fm), {}, TypeError, "all arrays must come from one array library; got q: numpy.ndarray, k: array_api_strict.Array"),
-        ((q, k, v, fm), {"key_mask": np.ones(13)}, TypeError, "key_mask must be a boolean array; got dtype float64"),
-        ((q, k, v, fm), {"key_mask": np.ones(12, bool)}, ValueError, r"key_mask must have shape \(\.\.\., 13\)"),
-        ((q, k, v, fm), {"chunk_size": 0}, ValueError, "chunk_size must be a positive integer; got 0"),
-        ((q, k, v, fm), {"chunk_size": 2.5}, TypeError, "chunk_size must be a positive integer; got 2.5"),
+        (
+            (q[:5], k, v, fm),
+            {"causal": True},
+            ValueError,
+            "causal attention needs queries and keys of the same length",
+        ),
+        (
+            (q.astype(int), k, v, fm),
+            {},
+            TypeError,
+            "q must have a real floating dtype .* got int64",
+        ),
+        (
+            (q, k.astype(complex), v, fm),
+            {},
+            TypeError,
+            "k must have a real floating dtype .* got complex128",
+        ),
+        (
+            (q, xps.asarray(k), v, fm),
+            {},
+            TypeError,
+            "all arrays must come from one array library; "
+            "got q: numpy.ndarray, k: array_api_strict.Array",
+        ),
+        (
+            (q, k, v, fm),
+            {"key_mask": np.ones(13)},
+            TypeError,
+            "key_mask must be a boolean array; got dtype float64",
+        ),
+        (
+            (q, k, v, fm),
+            {"key_mask": np.ones(12, bool)},
+            ValueError,
+            r"key_mask must have shape \(\.\.\., 13\)",
+        ),
+        (
+            (q, k, v, fm),
+            {"chunk_size": 0},
+            ValueError,
+            "chunk_size must be a positive integer; got 0",
+        ),
+        (
+            (q, k, v, fm),
+            {"chunk_size": 2.5},
+            TypeError,
+            "chunk_size must be a positive integer; got 2.5",
+        ),
         ((q, k, v, fm), {"backend": "gpu"}, ValueError, "backend must be one of"),
         ((q, k, v, fm), {"causal": "yes"}, TypeError, "causal must be True or False"),
-        ((np.ones((2, 13, 8)), np.ones((3, 13, 8)), np.ones((3, 13, 6)), fm), {}, ValueError, r"leading \(batch\) dimensions must broadcast together; got q \(2,\), k \(3,\), v \(3,\)"),
+        (
+            (np.ones((2, 13, 8)), np.ones((3, 13, 8)), np.ones((3, 13, 6)), fm),
+            {},
+            ValueError,
+            r"leading \(batch\) dimensions must broadcast together; "
+            r"got q \(2,\), k \(3,\), v \(3,\)",
+        ),
         ((q[:0], k, v, fm), {}, ValueError, "q must have at least one position"),
         ((q.tolist(), k, v, fm), {}, TypeError, "q must be an array"),
     ]
@@ -308,7 +364,9 @@ def test_low_variance_maps_bidirectional_and_calibrated_causal(
     first, state = la.linear_attention(
         *(a[..., :6, :] for a in args), calibrated, causal=True, return_state=True
     )
-    second = la.linear_attention(*(a[..., 6:, :] for a in args), calibrated, causal=True, state=state)
+    second = la.linear_attention(
+        *(a[..., 6:, :] for a in args), calibrated, causal=True, state=state
+    )
     np.testing.assert_allclose(
         np.concatenate([backend.to_numpy(first), backend.to_numpy(second)], axis=-2),
         expected,

@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -259,6 +260,14 @@ def test_unavailable_backend_exits_2(
     assert "no GPU" in error
 
 
+def test_bad_environment_variable_exits_2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LINATTN_BACKEND", "gpu")
+    assert cli.main(["accuracy", "--out", str(tmp_path), "--seeds", "1"]) == 2
+    assert "$LINATTN_BACKEND" in capsys.readouterr().err
+
+
 def test_crossing_is_interpolated_in_log_log() -> None:
     # ratio linear/exact falls from 2 to 1/2 between L=100 and L=400: crosses at 200.
     length, text = _crossing([(100, 2.0), (400, 0.5)])
@@ -301,3 +310,22 @@ def test_fitted_slope_of_exact_power_law() -> None:
     rows = [AccuracyRow("e", m, "mse", 3.0 / m, 0.0, 0.0, 1) for m in (8, 16, 64)]
     assert fitted_slope(rows, "e") == pytest.approx(-1.0)
     assert math.isnan(fitted_slope(rows[:1], "e"))
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_blocks() -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+def test_readme_example_runs(index: int) -> None:
+    source = _readme_blocks()[index]
+    for library in ("torch", "jax", "cupy"):
+        if f"import {library}" in source:
+            module = pytest.importorskip(library)
+            if library == "cupy" and module.cuda.runtime.getDeviceCount() == 0:
+                pytest.skip("cupy needs a CUDA GPU")
+    exec(compile(source, f"README.md block {index}", "exec"), {})

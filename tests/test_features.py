@@ -165,9 +165,7 @@ def test_calibrated_features_match_formulas(backend: Backend, kind: str, rebalan
     )
     for role in ("query", "key"):
         out = fm.features(backend.asarray(q), role=role)
-        assert_close(
-            backend, out, features64(reference_map, q, role), rtol=1e-10, dtype="float64"
-        )
+        assert_close(backend, out, features64(reference_map, q, role), rtol=1e-10, dtype="float64")
 
 
 def test_oprf_a_closed_form() -> None:
@@ -175,6 +173,7 @@ def test_oprf_a_closed_form() -> None:
 
     for rho in (0.0, 0.3, 1.0, 5.0):
         a = oprf_optimal_a(rho)
+
         # A* minimises the variance G^(d/2) exp(rho d / (1 - 8A)) for large d, i.e. the
         # exponent log(1-4A)^2 - log(1-8A) (per d/2) + 2 rho / (1 - 8A): check stationarity.
         def exponent(a_: float, rho: float = rho) -> float:
@@ -190,8 +189,15 @@ def test_rebalancing_balances_energy_and_keeps_inner_products() -> None:
     fm = la.FeatureMap(8, 12, rebalance=True).calibrate(q, k)
     psi = fm.rebalance_scales
     assert psi is not None
-    np.testing.assert_allclose(np.mean((q * psi) ** 2, axis=(0, 1)), np.mean((k / psi) ** 2, axis=(0, 1)), rtol=1e-12)
-    np.testing.assert_allclose((q * psi) @ np.swapaxes(k / psi, -1, -2), q @ np.swapaxes(k, -1, -2), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        np.mean((q * psi) ** 2, axis=(0, 1)), np.mean((k / psi) ** 2, axis=(0, 1)), rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        (q * psi) @ np.swapaxes(k / psi, -1, -2),
+        q @ np.swapaxes(k, -1, -2),
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 def test_calibration_ignores_masked_keys() -> None:
@@ -209,12 +215,19 @@ def test_calibration_ignores_masked_keys() -> None:
 def test_uncalibrated_maps_refuse_features_and_causal_use() -> None:
     q, k = _calibration_data()
     fm = la.FeatureMap(8, 12, kind="oprf")
-    with pytest.raises(ValueError, match=r"needs query/key statistics: expected a map from calibrate"):
+    with pytest.raises(
+        ValueError, match=r"needs query/key statistics: expected a map from calibrate"
+    ):
         fm.features(q)
-    with pytest.raises(ValueError, match="causal attention needs the 'oprf' feature map's query/key statistics fixed"):
+    with pytest.raises(
+        ValueError,
+        match="causal attention needs the 'oprf' feature map's query/key statistics fixed",
+    ):
         la.linear_attention(q, k, k, fm, causal=True)
     rebalanced = la.FeatureMap(8, 12, rebalance=True).calibrate(q, k)
-    with pytest.raises(ValueError, match="role must be 'query' or 'key' for a rebalanced feature map"):
+    with pytest.raises(
+        ValueError, match="role must be 'query' or 'key' for a rebalanced feature map"
+    ):
         rebalanced.features(q)
 
 

@@ -33,7 +33,9 @@ def valid_cases(draw):
         "m": m,
         "dtype": draw(st.sampled_from(["float32", "float64"])),
         "masked": draw(st.booleans()),
-        "split": draw(st.integers(1, lq - 1)) if causal and lq > 1 and draw(st.booleans()) else None,
+        "split": draw(st.integers(1, lq - 1))
+        if causal and lq > 1 and draw(st.booleans())
+        else None,
         "chunk_size": draw(st.integers(1, 8)),
         "seed": draw(st.integers(0, 2**16)),
         # Broadcast a leading axis of k/v against q's?
@@ -58,7 +60,7 @@ def _arrays(case):
 def test_valid_inputs_agree_with_reference(case) -> None:
     q, k, v, mask, fm = _arrays(case)
     dt = case["dtype"]
-    args = dict(causal=case["causal"], chunk_size=case["chunk_size"])
+    args = {"causal": case["causal"], "chunk_size": case["chunk_size"]}
     if case["split"] is None:
         out = la.linear_attention(
             q.astype(dt), k.astype(dt), v.astype(dt), fm, key_mask=mask, **args
@@ -79,7 +81,9 @@ def test_valid_inputs_agree_with_reference(case) -> None:
             state=state,
             **args,
         )
-        out = np.concatenate([np.broadcast_to(first, (*second.shape[:-2], *first.shape[-2:])), second], axis=-2)
+        out = np.concatenate(
+            [np.broadcast_to(first, (*second.shape[:-2], *first.shape[-2:])), second], axis=-2
+        )
     assert out.dtype == np.dtype(dt)
     expected = linear_reference(
         q.astype(dt), k.astype(dt), v.astype(dt), fm, causal=case["causal"], key_mask=mask

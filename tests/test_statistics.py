@@ -125,7 +125,10 @@ def _anisotropic_error(draws: int, **map_options) -> np.ndarray:
     exact = la.softmax_attention(q, k, v)
     return np.array(
         [
-            np.mean((la.linear_attention(q, k, v, la.FeatureMap(d, 64, seed=s, **map_options)) - exact) ** 2)
+            np.mean(
+                (la.linear_attention(q, k, v, la.FeatureMap(d, 64, seed=s, **map_options)) - exact)
+                ** 2
+            )
             for s in range(draws)
         ]
     )
@@ -137,4 +140,6 @@ def test_rebalancing_lowers_error_when_scales_differ() -> None:
     rebalanced = _anisotropic_error(100, kind="hyperbolic", rebalance=True)
     diff_se = np.sqrt(plain.var(ddof=1) / 100 + rebalanced.var(ddof=1) / 100)
     z = (plain.mean() - rebalanced.mean()) / diff_se
-    assert z > 3.0, f"rebalanced MSE {rebalanced.mean():.3g} vs plain {plain.mean():.3g} (z = {z:.1f})"
+    assert z > 3.0, (
+        f"rebalanced MSE {rebalanced.mean():.3g} vs plain {plain.mean():.3g} (z = {z:.1f})"
+    )
