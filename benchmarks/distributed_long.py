@@ -15,6 +15,7 @@ Wall time includes generating the inputs.  Not a pytest file: a script, run as
 
     python benchmarks/distributed_long.py                     # L = 2^16, 2^18, 2^20
     python benchmarks/distributed_long.py --lengths 16384 32768 --chunk 4096
+    python benchmarks/distributed_long.py --graph docs/_static/distributed_graph.png
 """
 
 from __future__ import annotations
@@ -57,6 +58,80 @@ def _inputs(da, length, args, dtype):  # type: ignore[no-untyped-def]
     ]
 
 
+_ROWS = {
+    "k, v": "k, v chunk",
+    "linattn-chunk-state": "chunk state",
+    "linattn-incoming-state": "incoming state",
+    "q": "q chunk",
+    "linattn-chunk-outputs": "chunk outputs",
+    "linattn-outputs-done": "outputs done",
+}
+
+
+def draw_graph(path: str, chunks: int = 6, lookahead: int = 2) -> None:
+    """Draw the causal task graph of one sequence in ``chunks`` chunks (no cluster needed)."""
+    import dask.array as da
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from dask.core import get_dependencies
+
+    fm = la.FeatureMap(4, 8, seed=0)
+    q, k, v = (da.zeros((1, 4 * chunks, 4), chunks=(1, 4, 4), name=n) for n in "qkv")
+    out = sequence_parallel_attention(q, k, v, fm, causal=True, lookahead=lookahead)
+    graph = dict(out.__dask_graph__())
+
+    def node(key):  # type: ignore[no-untyped-def]
+        if not isinstance(key, tuple):
+            return None
+        name = key[0] if key[0] in "qkv" else key[0].rsplit("-", 1)[0]
+        name = "k, v" if name in ("k", "v") else name
+        return (name, key[2]) if name in _ROWS else None
+
+    edges = set()
+    for key in graph:
+        target = node(key)
+        if target is not None:
+            for dep in get_dependencies(graph, key):
+                source = node(dep)
+                if source is not None:
+                    edges.add((source, target))
+    rows = {name: -i for i, name in enumerate(_ROWS)}
+    fig, ax = plt.subplots(figsize=(1.6 * chunks + 2.5, 5.2))
+    for (name_a, j_a), (name_b, j_b) in sorted(edges):
+        wait = name_a == "linattn-outputs-done"
+        ax.annotate(
+            "",
+            xy=(j_b, rows[name_b]),
+            xytext=(j_a, rows[name_a]),
+            arrowprops={
+                "arrowstyle": "->",
+                "color": "tab:red" if wait else "0.35",
+                "linestyle": "--" if wait else "-",
+                "shrinkA": 9,
+                "shrinkB": 9,
+                "connectionstyle": "arc3,rad=0.25" if wait else "arc3",
+            },
+        )
+    nodes = {a for a, _ in edges} | {b for _, b in edges}
+    for name, j in nodes:
+        ax.plot(j, rows[name], "o", ms=14, color="tab:blue" if "linattn" in name else "0.7")
+    ax.set_yticks(list(rows.values()), [_ROWS[n] for n in rows])
+    ax.set_xticks(range(chunks), [f"chunk {j}" for j in range(chunks)])
+    ax.set_xlim(-0.6, chunks - 0.4)
+    ax.set_ylim(-len(rows) + 0.5, 0.5)
+    ax.set_title(
+        f"Causal sequence-parallel attention: {chunks} chunks, lookahead={lookahead} "
+        "(red: chunk state waits for earlier outputs)"
+    )
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2**16, 2**18, 2**20])
@@ -68,9 +143,14 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=16384, help="tokens checked in memory")
     parser.add_argument("--chunk-size", type=int, default=64, help="linear_attention chunk_size")
     parser.add_argument("--backend", default=None, help="auto, numba or array_api")
+    parser.add_argument("--lookahead", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--memory-limit", default="6GiB")
+    parser.add_argument("--graph", metavar="PNG", help="only draw the causal task graph")
     args = parser.parse_args()
+    if args.graph:
+        draw_graph(args.graph)
+        return
 
     import dask.array as da
     import distributed
@@ -79,7 +159,8 @@ def main() -> None:
     fm = la.FeatureMap(args.head_dim, args.features, seed=0)
     print(
         f"B=1 H={args.heads} d={args.head_dim} m={args.features} {args.dtype}, "
-        f"{args.chunk} tokens per sequence chunk, chunk_size={args.chunk_size}, "
+        f"{args.chunk} tokens per sequence chunk, lookahead={args.lookahead}, "
+        f"chunk_size={args.chunk_size}, "
         f"backend={args.backend or os.environ.get('LINATTN_BACKEND', 'auto')}, "
         f"{args.workers} worker processes x 1 thread, {os.cpu_count()} CPUs"
     )
@@ -89,7 +170,7 @@ def main() -> None:
             threads_per_worker=1,
             processes=True,
             memory_limit=args.memory_limit,
-            dashboard_address=None,
+            dashboard_address=":0",
             env={"NUMBA_NUM_THREADS": "1"},
         ) as cluster,
         distributed.Client(cluster) as client,
@@ -100,11 +181,14 @@ def main() -> None:
         )
         for length in args.lengths:
             q, k, v = _inputs(da, length, args, dtype)
+            options = {"chunk_size": args.chunk_size, "backend": args.backend}
             out = sequence_parallel_attention(
-                q, k, v, fm, causal=True, chunk_size=args.chunk_size, backend=args.backend
+                q, k, v, fm, causal=True, lookahead=args.lookahead, **options
             )
             prefix = min(args.prefix, length)
             client.restart()  # fresh worker processes: nothing left over from the last run
+            warm = [x[..., : args.chunk, :] for x in (q, k, v)]  # compile kernels first
+            client.compute(sequence_parallel_attention(*warm, fm, causal=True, **options)).result()
             idle = client.run(_reset_peak)
             load_before = os.getloadavg()[0]
             start = time.perf_counter()

@@ -9,7 +9,7 @@ import linattn
 
 project = "linattn"
 author = "The linattn developers"
-copyright = "The linattn developers"  # noqa: A001
+copyright = "The linattn developers"
 release = version = linattn.__version__
 
 extensions = [

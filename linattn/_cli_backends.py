@@ -7,6 +7,9 @@ never before, so ``linattn info`` and ``linattn demo`` work with NumPy alone.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -107,6 +110,24 @@ def _rss_kib(field: str) -> int | None:
     return None
 
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+@functools.cache
+def _large_blocks_from_mmap() -> bool:
+    """Ask glibc to serve blocks above 64 KiB with mmap, so that freeing returns them.
+
+    Setting the threshold also stops glibc from raising it after each free, which
+    would otherwise keep freed arrays in the heap and hide later peaks from the
+    resident-set high-water mark.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024))
+    except (OSError, AttributeError):
+        return False
+
+
 def _can_reset_rss_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
@@ -120,6 +141,7 @@ def _can_reset_rss_peak() -> bool:
 def _rss_peak() -> Iterator[PeakMemory]:
     """Linux only: reset the resident-set high-water mark, read it after the call."""
     result = PeakMemory()
+    _large_blocks_from_mmap()
     if not _can_reset_rss_peak():
         yield result
         return
@@ -137,8 +159,8 @@ def _no_probe() -> Iterator[PeakMemory]:
 
 
 RSS_METHOD = (
-    "resident-set high-water mark above the level before the call "
-    "(Linux /proc, reset per call; memory the allocator already holds is not counted)"
+    "resident-set high-water mark above the level before the call (Linux /proc, reset "
+    "per call; glibc told to mmap blocks above 64 KiB so freed arrays leave the heap)"
 )
 
 

@@ -190,7 +190,7 @@ def _accuracy_axes(ax: Any, rows: Sequence[AccuracyRow], metric: str, ylabel: st
             [max(top) * (m / features[0]) ** -guide for m in features],
             color="gray",
             linestyle=":",
-            label=f"∝ m^-{guide:g}",
+            label=rf"$\propto m^{{-{guide:g}}}$",
         )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -230,16 +230,24 @@ def _bench_axes(ax: Any, rows: Sequence[BenchRow], field: str, scale: float, yla
 def _mark_crossovers(ax: Any, found: Sequence[Crossover], quantity: str) -> None:
     for c in found:
         if c.quantity == quantity and c.length is not None:
-            ax.axvline(c.length, color="gray", linestyle=STYLES.get(c.mode, "-"), alpha=0.6)
+            ax.axvline(
+                c.length,
+                color="gray",
+                linestyle=STYLES.get(c.mode, "-"),
+                alpha=0.6,
+                label=f"crossover, {c.mode}",
+            )
 
 
 def plot_accuracy(rows: Sequence[AccuracyRow], path: Path, title: str) -> Path:
     """Error against m, log-log, one line per estimator, standard errors as bars."""
-    figure = _figure(9, 3.4)
-    left, right = figure.subplots(1, 2)
-    _accuracy_axes(left, rows, "mse", "attention output MSE")
-    _accuracy_axes(right, rows, "tv", "total variation of attention rows")
-    left.legend(fontsize=7)
+    labels = {"mse": "attention output MSE", "tv": "total variation of attention rows"}
+    metrics = [metric for metric in labels if any(r.metric == metric for r in rows)]
+    figure = _figure(4.5 * len(metrics), 3.4)
+    axes = figure.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, metric in zip(axes, metrics, strict=True):
+        _accuracy_axes(ax, rows, metric, labels[metric])
+    axes[0].legend(fontsize=7)
     figure.suptitle(title, fontsize=10)
     figure.savefig(path)
     return path

@@ -10,13 +10,14 @@ Two ways to spread linear attention over a Dask cluster (``MATH.md`` sections 3-
   longer than one worker holds.  Each sequence chunk reduces its keys to the
   stabilised state ``(S, mu)`` of :mod:`linattn.state`, of size ``m x (d_v + 1)``
   whatever the chunk length; the states meet in a task graph built from the
-  associative :func:`linattn.state.combine` -- a tree reduction (bidirectional) or a
-  work-efficient exclusive scan (causal) -- and every chunk then computes its
-  outputs from the state of everything before it (causal) or of all keys
-  (bidirectional).
+  associative :func:`linattn.state.combine` -- a tree reduction (bidirectional) or
+  an exclusive scan (causal) -- and every chunk then computes its outputs from the
+  state of everything before it (causal) or of all keys (bidirectional).
 
 Work per task is ``O(chunk (m + d) d)`` and traffic ``O(n_chunks m d)``: no task ever
-holds more than one chunk of the sequence.  Both functions are lazy (they only build
+holds more than one chunk of the sequence, and in the causal case the key side runs
+at most ``lookahead`` chunks ahead of the outputs, so the chunks waiting in memory
+do not grow with ``L`` either.  Both functions are lazy (they only build
 a graph) and run on any Dask scheduler, the default threads one or a
 ``dask.distributed.Client``.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
 import array_api_compat
@@ -132,6 +134,7 @@ def sequence_parallel_attention(
     causal: bool = False,
     key_mask: Array | None = None,
     sequence_chunks: int | None = None,
+    lookahead: int = 8,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: str | None = None,
 ) -> Array:
@@ -140,8 +143,9 @@ def sequence_parallel_attention(
     Each sequence chunk reduces its keys to a state ``(S, mu)`` of size
     ``m x (d_v + 1)``.  Bidirectional: the chunk states are combined by a tree
     reduction and the total is broadcast to every query chunk.  Causal: an exclusive
-    scan over the chunk states gives each chunk the state of all tokens before it,
-    from which it computes its outputs with ``linear_attention(..., state=...)``.
+    scan over the chunk states (a running combine) gives each chunk the state of all
+    tokens before it, from which it computes its outputs with
+    ``linear_attention(..., state=...)``.
     Both use the stabilised, associative :func:`linattn.state.combine`, so the
     result equals the in-memory computation up to rounding.
 
@@ -162,6 +166,11 @@ def sequence_parallel_attention(
         Tokens per sequence chunk (one task each).  Default: the chunks ``q`` (and,
         bidirectional, ``k``) already have along the sequence axis; causal
         attention gives ``k``, ``v`` and ``key_mask`` the sequence chunks of ``q``.
+    lookahead : int, default 8
+        Causal only: how many sequence chunks the key side (chunk states) may run
+        ahead of the outputs.  Chunks of ``k`` and ``v`` wait in memory from their
+        state to their outputs, so this bounds memory independently of ``L``; give
+        it at least the number of worker threads to keep them all busy.
     chunk_size, backend
         As for :func:`linattn.linear_attention`, inside each sequence chunk.
 
@@ -186,64 +195,120 @@ def sequence_parallel_attention(
     >>> bool(np.abs(out.compute() - expected).max() < 1e-12)
     True
     """
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int | np.integer) or lookahead < 1:
+        raise ValueError(f"lookahead must be a positive integer; got {lookahead!r}")
     inputs = _prepare(q, k, v, key_mask, feature_map, causal, chunk_size, backend, sequence_chunks)
-    info, spec = inputs.info, inputs.spec
-    batch = _batch_index(info)
-    # The key side: one stabilised state per (batch block, sequence chunk).
+    if causal:
+        return _causal_pipeline(inputs, int(lookahead), chunk_size=chunk_size, backend=backend)
+    batch = _batch_index(inputs.info)
     key_args = [inputs.k, (*batch, "j", "d"), inputs.v, (*batch, "j", "e")]
     if inputs.key_mask is not None:
         key_args += [inputs.key_mask, (*batch, "j")]
-    width = info.value_dim + 2
-    states = _blockwise(
+    states = _chunk_states(inputs, key_args)
+    total = _tree_reduce(
+        [_sequence_block(states, len(batch), j) for j in range(states.numblocks[len(batch)])]
+    )
+    return _blockwise(
+        _bidirectional_block,
+        (*batch, "i", "e"),
+        inputs.q,
+        (*batch, "i", "d"),
+        total[(..., 0, slice(None), slice(None))],
+        (*batch, "m", "f"),
+        name="linattn-broadcast-outputs",
+        meta_like=inputs.q,
+        dtype=inputs.info.dtype,
+        new_axes={"e": inputs.info.value_dim},
+        align_arrays=False,
+        feature_map=inputs.spec,
+    )
+
+
+def _causal_pipeline(inputs: _Inputs, lookahead: int, **options: Any) -> Any:
+    """Chunk states, their running combine, and each chunk's outputs from its incoming state.
+
+    A task graph of our own, per batch block and sequence chunk ``j``:
+
+    * ``chunk-state j``: the packed state of chunk ``j``'s keys;
+    * ``incoming-state j``: the state of chunks ``< j`` -- empty, then the running
+      combine ``incoming(j) = incoming(j - 1) + state(j - 1)``, ``O(m d)`` each;
+    * ``chunk-outputs j``: ``linear_attention(..., state=incoming(j))`` on chunk ``j``;
+    * ``outputs-done j``: a token; ``chunk-state j + lookahead`` waits for it.
+
+    The heavy work, ``O(chunk (m + d) d)`` per chunk, runs in parallel.  Without the
+    tokens, schedulers finish the cheap key side first and hold every chunk of ``k``
+    and ``v`` until its outputs run, so memory would grow with ``L``.
+    """
+    import dask.array as da
+    from dask.array.utils import meta_from_array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.key_mask
+    nb = len(inputs.info.batch_shape)
+    spec = inputs.spec.key
+    masked = mask is not None
+    token = tokenize(q, k, v, mask, spec, lookahead, options)
+    state_name, incoming_name, outputs_name, done_name = (
+        f"linattn-{part}-{token}"
+        for part in ("chunk-state", "incoming-state", "chunk-outputs", "outputs-done")
+    )
+    graph: dict[Any, Any] = {}
+    for b in product(*(range(n) for n in q.numblocks[:nb])):
+        for j in range(q.numblocks[nb]):
+            keys = [(k.name, *b, j, 0), (v.name, *b, j, 0)]
+            if masked:
+                keys.append((mask.name, *b, j))
+            wait = [(done_name, *b, j - lookahead)] if j >= lookahead else []
+            state = (state_name, *b, j)
+            graph[state] = (_state_task, spec, masked, *keys, *wait)
+            # incoming(0) = empty, incoming(1) = state(0), else incoming(j-1) + state(j-1)
+            incoming = (state_name, *b, 0) if j == 1 else (incoming_name, *b, j)
+            if j == 0:
+                graph[incoming] = (_empty_packed, state)
+            elif j > 1:
+                before = (state_name, *b, 0) if j == 2 else (incoming_name, *b, j - 1)
+                graph[incoming] = (_combine_packed, before, (state_name, *b, j - 1))
+            out = (outputs_name, *b, j, 0)
+            graph[out] = (
+                _outputs_task,
+                spec,
+                masked,
+                options,
+                (q.name, *b, j, 0),
+                *keys,
+                incoming,
+            )
+            graph[(done_name, *b, j)] = (_done, out)
+    dependencies = [x for x in (q, k, v, mask, inputs.spec) if x is not None]
+    return da.Array(
+        HighLevelGraph.from_collections(outputs_name, graph, dependencies=dependencies),
+        outputs_name,
+        chunks=(*q.chunks[:-1], (inputs.info.value_dim,)),
+        meta=meta_from_array(q, ndim=q.ndim, dtype=inputs.info.dtype),
+    )
+
+
+def _chunk_states(inputs: _Inputs, key_args: list[Any]) -> Any:
+    """One packed state ``[S | mu]`` per (batch block, sequence chunk) of keys."""
+    batch = _batch_index(inputs.info)
+    return _blockwise(
         _chunk_state,
         (*batch, "j", "m", "f"),
         *key_args,
         name="linattn-chunk-state",
         meta_like=inputs.k,
         dtype=inputs.work_dtype,
-        new_axes={"m": feature_map.num_features, "f": width},
+        new_axes={"m": inputs.num_features, "f": inputs.info.value_dim + 2},
         adjust_chunks={"j": 1},
-        feature_map=spec,
+        feature_map=inputs.spec,
+        masked=inputs.key_mask is not None,
     )
-    chunk_states = [
-        states.blocks[(slice(None),) * len(batch) + (j,)]
-        for j in range(states.numblocks[len(batch)])
-    ]
-    if not causal:
-        total = _tree_reduce(chunk_states)
-        return _blockwise(
-            _bidirectional_block,
-            (*batch, "i", "e"),
-            inputs.q,
-            (*batch, "i", "d"),
-            total[(..., 0, slice(None), slice(None))],
-            (*batch, "m", "f"),
-            name="linattn-broadcast-outputs",
-            meta_like=inputs.q,
-            dtype=info.dtype,
-            new_axes={"e": info.value_dim},
-            align_arrays=False,
-            feature_map=spec,
-        )
-    import dask.array as da
 
-    incoming = da.concatenate(_exclusive_scan(chunk_states), axis=len(batch))
-    return _blockwise(
-        _causal_block,
-        (*batch, "j", "e"),
-        inputs.q,
-        (*batch, "j", "d"),
-        *key_args,
-        incoming,
-        (*batch, "j", "m", "f"),
-        name="linattn-chunk-outputs",
-        meta_like=inputs.q,
-        dtype=info.dtype,
-        align_arrays=False,
-        feature_map=spec,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
+
+def _sequence_block(x: Any, nb: int, j: int) -> Any:
+    """Sequence chunk ``j`` of ``x`` (all batch blocks): no copy, just the block keys."""
+    return x.blocks[(slice(None),) * nb + (j,)]
 
 
 # -- input preparation -----------------------------------------------------------------
@@ -310,6 +375,7 @@ class _Inputs:
     info: AttentionInputs
     work_dtype: Any
     spec: Any  # a Delayed holding a _FeatureMapSpec
+    num_features: int
 
 
 def _prepare(
@@ -378,24 +444,18 @@ def _prepare(
     if "key_mask" in arrays:
         mask = full(arrays["key_mask"], (info.key_length,))
     nb = len(batch)
-    # Feature axes in one chunk; sequence axes as asked; batch chunks unified below.
+    # Feature axes in one chunk; batch axes chunked like q; sequence axes as asked
+    # (causal: keys like queries; bidirectional: values and mask like keys).
     sequence = {} if sequence_chunks is None else {nb: int(sequence_chunks)}
     q = q.rechunk({**sequence, nb + 1: -1})
-    k = k.rechunk({**({nb: q.chunks[nb]} if causal else sequence), nb + 1: -1})
-    v = v.rechunk({nb: k.chunks[nb], nb + 1: -1})
+    like_q = dict(enumerate(q.chunks[:nb]))
+    k = k.rechunk({**like_q, **({nb: q.chunks[nb]} if causal else sequence), nb + 1: -1})
+    v = v.rechunk({**like_q, nb: k.chunks[nb], nb + 1: -1})
     if mask is not None:
-        mask = mask.rechunk({nb: k.chunks[nb]})
-    # Batch axes: the chunks of q; sequence axis: one index for queries and keys when causal.
-    batch_index = "".join(_batch_index(info))
-    qi = "j" if causal else "i"
-    pairs: list[Any] = [q, f"{batch_index}{qi}d", k, f"{batch_index}jd", v, f"{batch_index}je"]
-    if mask is not None:
-        pairs += [mask, f"{batch_index}j"]
-    _, unified = da.core.unify_chunks(*pairs)
-    q, k, v = unified[:3]
-    mask = unified[3] if mask is not None else None
+        mask = mask.rechunk({**like_q, nb: k.chunks[nb]})
     spec = dask.delayed(_FeatureMapSpec.of(feature_map), pure=True)
-    return _Inputs(q, k, v, mask, info, compute_dtype(np, np.dtype(info.dtype)), spec)
+    work = compute_dtype(np, np.dtype(info.dtype))
+    return _Inputs(q, k, v, mask, info, work, spec, feature_map.num_features)
 
 
 def _batch_index(info: AttentionInputs) -> tuple[str, ...]:
@@ -450,39 +510,6 @@ def _tree_reduce(states: list[Any]) -> Any:
     return states[0]
 
 
-def _exclusive_scan(states: list[Any]) -> list[Any]:
-    """State of everything *before* each chunk: a work-efficient parallel prefix scan.
-
-    Pairs neighbours, scans the pairs recursively and fills in the odd positions:
-    about ``2 n`` combines, ``2 log2(n)`` levels deep.
-    """
-    prefixes = _scan_prefixes(states)
-    empty = _map_state(_empty_packed, states[0], name="linattn-empty-state")
-    return [empty if p is None else p for p in prefixes]
-
-
-def _scan_prefixes(states: list[Any | None]) -> list[Any | None]:
-    """Exclusive prefixes, ``None`` standing for the empty state.
-
-    The last state never enters an exclusive scan, so it may be ``None`` and no pair
-    is formed with it.
-    """
-    if len(states) == 1:
-        return [None]
-    pairs: list[Any | None] = [
-        _combine(states[i], states[i + 1]) for i in range(0, len(states) - 2, 2)
-    ]
-    before_pair = _scan_prefixes([*pairs, None])
-    prefixes: list[Any | None] = []
-    for i in range(len(states)):
-        before = before_pair[i // 2]
-        if i % 2 == 0:
-            prefixes.append(before)
-        else:
-            prefixes.append(states[i - 1] if before is None else _combine(before, states[i - 1]))
-    return prefixes
-
-
 def _combine(first: Any, second: Any) -> Any:
     return _map_state(_combine_packed, first, second, name="linattn-combine")
 
@@ -510,13 +537,16 @@ def _batch_block(
     )
 
 
-def _chunk_state(k: Array, v: Array, *mask: Array, feature_map: Any) -> Array:
-    """The packed state ``[S | mu]`` of one chunk of keys, shape ``(..., 1, m, d_v + 2)``."""
+def _chunk_state(k: Array, v: Array, *rest: Array, feature_map: Any, masked: bool) -> Array:
+    """The packed state ``[S | mu]`` of one chunk of keys, shape ``(..., 1, m, d_v + 2)``.
+
+    ``rest`` holds the key mask (if ``masked``), then tokens of tasks to wait for.
+    """
     fm = feature_map.build()
     xp = array_api_compat.array_namespace(k)
     log_phi_k, sign_k = fm.signed_log_features(k)
-    if mask:
-        log_phi_k = xp.where(mask[0][..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
+    if masked:
+        log_phi_k = xp.where(rest[0][..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
     values = xp.astype(v, log_phi_k.dtype)
     values_aug = xp.concat([values, xp.ones_like(values[..., :1])], axis=-1)
     kv, log_shift = empty_state(
@@ -536,10 +566,10 @@ def _bidirectional_block(q: Array, total: Array, *, feature_map: Any) -> Array:
 
 
 def _causal_block(
-    q: Array, k: Array, v: Array, *rest: Array, feature_map: Any, **options: Any
+    q: Array, k: Array, v: Array, *rest: Array, feature_map: Any, masked: bool, **options: Any
 ) -> Array:
     """Outputs of one sequence chunk, continuing from the state of all earlier chunks."""
-    *mask, incoming = rest
+    mask, incoming = (rest[0] if masked else None), rest[-1]
     fm = feature_map.build()
     kv, log_shift = _unpack(incoming[..., 0, :, :])
     state = LinearAttentionState(kv=kv, log_shift=log_shift, feature_map=fm.fingerprint)
@@ -549,10 +579,24 @@ def _causal_block(
         v,
         fm,
         causal=True,
-        key_mask=mask[0] if mask else None,
+        key_mask=mask,
         state=state,
         **options,
     )
+
+
+def _state_task(feature_map: Any, masked: bool, *arrays: Array) -> Array:
+    return _chunk_state(*arrays, feature_map=feature_map, masked=masked)
+
+
+def _outputs_task(
+    feature_map: Any, masked: bool, options: dict[str, Any], *arrays: Array
+) -> Array:
+    return _causal_block(*arrays, feature_map=feature_map, masked=masked, **options)
+
+
+def _done(block: Array) -> None:
+    """A token for a finished block: what waits on it needs no data."""
 
 
 def _combine_packed(first: Array, second: Array) -> Array:

@@ -147,7 +147,13 @@ def linear_attention_vjp(
         )
         if kernel is not None:
             d_lq, d_lk, d_va, _ = kernel(
-                log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size, d_outputs_aug,
+                log_phi_q,
+                log_phi_k,
+                values_aug,
+                kv,
+                log_shift,
+                chunk_size,
+                d_outputs_aug,
                 xp.zeros_like(kv),
             )
         else:

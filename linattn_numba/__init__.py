@@ -70,6 +70,8 @@ def _cuda_kernel(library: str) -> tuple[Kernel | None, str]:
     status = cuda_status()
     if status != "available":
         return None, status
-    from linattn_numba import cuda
+    # The module is ``gpu``, not ``cuda``: numba-cuda's import hook redirects any module
+    # whose name contains "numba.cuda", and "linattn_numba.cuda" would recurse.
+    from linattn_numba import gpu
 
-    return cuda.causal_kernel(library), "available"
+    return gpu.causal_kernel(library), "available"

@@ -10,23 +10,27 @@ axis: log-features ``lq, lk (B, L, m)``, ``[V | 1]`` ``va (B, L, D)``, states
   maximum ``Gmax_t`` (floored at 0 once the state holds a key);
 * ``flo (B, N)``: that floor (0, or ``-inf`` for an empty state).
 
-Work is split so that everything but the scan over chunks is parallel over
-chunks, in ``T x T`` thread blocks (``T = TILE``) with shared-memory tiles, and
-no tile size limits ``L``, ``m``, ``d_v`` or the chunk size:
+Everything is parallel over chunks, in ``T x T`` thread blocks (``T = TILE``)
+with shared-memory tiles; no tile size limits ``L``, ``m``, ``d_v`` or the
+chunk size.  The only sequential loop over chunks is an elementwise scan (one
+thread per state entry), at the price of keeping the state before every chunk,
+``(B, L / C, m, d_v + 1)``: about the size of one log-feature array.
 
 ``chunk_max``, ``prefix_max``, ``row_stats``
     the stabilisers (a prefix maximum over chunks, then row reductions);
 ``forward_intra``
-    the masked intra-chunk term, one block per query tile of a chunk;
-``scan_columns``
-    per chunk ``out[t, c] += sum_r X[t, r] M[r, c]`` then
-    ``M[r, c] = decay_r M[r, c] + sum_t Y[t, r] z[t, c]``, sequential over chunks,
-    one block per (batch, column tile): the forward state term (``M = S``) and,
-    run in reverse, the state gradient of ``[V | 1]`` (``M = dS``);
-``scan_rows``
-    the same scan with rows (features) split over blocks: the state
-    gradients of ``l(q)`` (forward sweep of ``S``) and of ``l(k)`` and ``kv``
-    (reverse sweep of ``dS``);
+    the masked intra-chunk term of the outputs, one block per query tile;
+``chunk_increments``
+    what each chunk adds to the state (``phi^T [V | 1]``) or to its gradient
+    (``(w u)^T dO``), one block per (chunk, state tile);
+``scan_states``
+    the scan turning increments into the state before every chunk, ``S_n``,
+    or (reverse) the gradient after every chunk, ``dS_{n+1}``;
+``state_readout``
+    ``u S_n`` (the state term of the outputs) and ``phi dS_{n+1}`` (the state
+    gradient of ``[V | 1]``);
+``feature_readout``
+    the state gradients of ``l(q)`` (``dO S_n^T``) and ``l(k)`` (``[V | 1] dS_{n+1}^T``);
 ``backward_intra_queries``, ``backward_intra_keys``
     the intra-chunk gradients.
 
@@ -78,8 +82,10 @@ KERNEL_NAMES = (
     "prefix_max",
     "row_stats",
     "forward_intra",
-    "scan_columns",
-    "scan_rows",
+    "chunk_increments",
+    "scan_states",
+    "state_readout",
+    "feature_readout",
     "backward_intra_queries",
     "backward_intra_keys",
 )
@@ -250,107 +256,135 @@ def _build(dt: Any) -> SimpleNamespace:
                 cuda.syncthreads()
 
     @cuda.jit
-    def scan_columns(lq, lk, z, mus, F, G, Gm, flo, state, out, chunk, x_kind, y_kind, reverse):
-        """Per chunk: ``out[t, c] += sum_r X[t, r] M[r, c]``, then
-        ``M[r, c] = decay_r M[r, c] + sum_t Y[t, r] z[t, c]``; block = a column tile."""
-        c0 = cuda.blockIdx.x * T
-        b = cuda.blockIdx.y
+    def chunk_increments(lq, lk, z, mus, F, G, Gm, flo, states, chunk, row_tiles, kind):
+        """``states[b, n] = sum_{j in chunk n} Y_j z_j^T``, Y the features of ``kind``.
+
+        ``KEY_STATE`` with ``z = [V | 1]``: what chunk n adds to the state;
+        ``WEIGHTED_QUERY`` with ``z = dO``: what it adds to the state's gradient.
+        One block per (chunk, state tile).
+        """
+        n = cuda.blockIdx.x
+        r0 = (cuda.blockIdx.y % row_tiles) * T
+        c0 = (cuda.blockIdx.y // row_tiles) * T
+        b = cuda.blockIdx.z
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
-        length = lq.shape[1]
         m = lq.shape[2]
-        width = state.shape[2]
-        num_chunks = (length + chunk - 1) // chunk
-        xs = cuda.shared.array((T, T), dt)
-        ms = cuda.shared.array((T, T), dt)
+        width = z.shape[2]
+        start = n * chunk
+        end = min(start + chunk, lq.shape[1])
         ys = cuda.shared.array((T, T), dt)
         zs = cuda.shared.array((T, T), dt)
+        r = r0 + ty
         c = c0 + tx
-        for step in range(num_chunks):
-            n = num_chunks - 1 - step if reverse else step
-            start = n * chunk
-            end = min(start + chunk, length)
-            for t0 in range(start, end, T):
-                t = t0 + ty
-                acc = dt(0.0)
-                for r0 in range(0, m, T):
-                    xs[ty, tx] = feature(x_kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r0 + tx, end)
-                    r = r0 + ty
-                    ms[ty, tx] = state[b, r, c] if (r < m and c < width) else dt(0.0)
-                    cuda.syncthreads()
-                    for x in range(T):
-                        acc += xs[ty, x] * ms[x, tx]
-                    cuda.syncthreads()
-                if t < end and c < width:
-                    out[b, t, c] += acc
-            for r0 in range(0, m, T):
-                r = r0 + ty
-                s = dt(0.0)
-                if r < m and c < width:
-                    s = decay(mus, b, n, r) * state[b, r, c]
-                for j0 in range(start, end, T):
-                    j = j0 + ty
-                    ys[ty, tx] = feature(y_kind, lq, lk, mus, F, G, Gm, flo, b, n, j, r0 + tx, end)
-                    zs[ty, tx] = z[b, j, c] if (j < end and c < width) else dt(0.0)
-                    cuda.syncthreads()
-                    for y in range(T):
-                        s += ys[y, ty] * zs[y, tx]
-                    cuda.syncthreads()
-                if r < m and c < width:
-                    state[b, r, c] = s
+        s = dt(0.0)
+        for j0 in range(start, end, T):
+            j = j0 + ty
+            ys[ty, tx] = feature(kind, lq, lk, mus, F, G, Gm, flo, b, n, j, r0 + tx, end)
+            zs[ty, tx] = z[b, j, c] if (j < end and c < width) else dt(0.0)
+            cuda.syncthreads()
+            for y in range(T):
+                s += ys[y, ty] * zs[y, tx]
+            cuda.syncthreads()
+        if r < m and c < width:
+            states[b, n, r, c] = s
 
     @cuda.jit
-    def scan_rows(lq, lk, z, w, mus, F, G, Gm, flo, state, out, chunk, x_kind, y_kind, reverse):
-        """Per chunk: ``out[t, r] += X[t, r] sum_c z[t, c] M[r, c]``, then
-        ``M[r, c] = decay_r M[r, c] + sum_t Y[t, r] w[t, c]``; block = a feature tile."""
-        r0 = cuda.blockIdx.x * T
+    def scan_states(initial, mus, states, final, reverse):
+        """Turn chunk increments into states, in place; one thread per state entry.
+
+        Forward: ``states[b, n] <- S_n`` (before chunk n), ``S_{n+1} = decay_n S_n +
+        increment_n``, ``final <- S_N``.  Reverse (gradients): ``states[b, n] <-
+        dS_{n+1}``, ``dS_n = decay_n dS_{n+1} + increment_n``, ``final <- dS_0``.
+        """
+        i = cuda.blockIdx.x * TT + cuda.threadIdx.x
         b = cuda.blockIdx.y
+        width = initial.shape[2]
+        num_chunks = states.shape[1]
+        if i < initial.shape[1] * width:
+            r = i // width
+            c = i % width
+            s = initial[b, r, c]
+            for step in range(num_chunks):
+                n = num_chunks - 1 - step if reverse else step
+                increment = states[b, n, r, c]
+                states[b, n, r, c] = s
+                s = decay(mus, b, n, r) * s + increment
+            final[b, r, c] = s
+
+    @cuda.jit
+    def state_readout(lq, lk, mus, F, G, Gm, flo, states, out, chunk, tiles, kind):
+        """``out[t, c] += sum_r X[t, r] M_n[r, c]``, one block per (token tile, column tile).
+
+        ``QUERY`` against ``S_n`` (times ``w_t``): the state term of the outputs;
+        ``KEY_STATE`` against ``dS_{n+1}``: the state gradient of ``[V | 1]``.
+        """
+        n = cuda.blockIdx.x // tiles
+        qt = cuda.blockIdx.x % tiles
+        c = cuda.blockIdx.y * T + cuda.threadIdx.x
+        b = cuda.blockIdx.z
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
-        length = lq.shape[1]
         m = lq.shape[2]
-        width = state.shape[2]
-        num_chunks = (length + chunk - 1) // chunk
+        width = states.shape[3]
+        start = n * chunk
+        end = min(start + chunk, lq.shape[1])
+        t0 = start + qt * T
+        if t0 >= end:
+            return
+        xs = cuda.shared.array((T, T), dt)
+        ms = cuda.shared.array((T, T), dt)
+        t = t0 + ty
+        acc = dt(0.0)
+        for r0 in range(0, m, T):
+            xs[ty, tx] = feature(kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r0 + tx, end)
+            r = r0 + ty
+            ms[ty, tx] = states[b, n, r, c] if (r < m and c < width) else dt(0.0)
+            cuda.syncthreads()
+            for x in range(T):
+                acc += xs[ty, x] * ms[x, tx]
+            cuda.syncthreads()
+        if t < end and c < width:
+            if kind == QUERY:
+                acc *= math.exp(flo[b, n] - Gm[b, t])
+            out[b, t, c] += acc
+
+    @cuda.jit
+    def feature_readout(lq, lk, z, mus, F, G, Gm, flo, states, out, chunk, tiles, kind):
+        """``out[t, r] += X[t, r] sum_c z[t, c] M_n[r, c]``, one block per (token, feature) tile.
+
+        ``WEIGHTED_QUERY``, ``z = dO`` against ``S_n``: the state gradient of ``l(q)``;
+        ``KEY_STATE``, ``z = [V | 1]`` against ``dS_{n+1}``: that of ``l(k)``.
+        """
+        n = cuda.blockIdx.x // tiles
+        qt = cuda.blockIdx.x % tiles
+        r0 = cuda.blockIdx.y * T
+        b = cuda.blockIdx.z
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        m = lq.shape[2]
+        width = states.shape[3]
+        start = n * chunk
+        end = min(start + chunk, lq.shape[1])
+        t0 = start + qt * T
+        if t0 >= end:
+            return
         zs = cuda.shared.array((T, T), dt)
         ms = cuda.shared.array((T, TP), dt)
-        ys = cuda.shared.array((T, T), dt)
-        ws = cuda.shared.array((T, T), dt)
-        r_own = r0 + ty
-        for step in range(num_chunks):
-            n = num_chunks - 1 - step if reverse else step
-            start = n * chunk
-            end = min(start + chunk, length)
-            for t0 in range(start, end, T):
-                t = t0 + ty
-                acc = dt(0.0)
-                for c0 in range(0, width, T):
-                    c = c0 + tx
-                    zs[ty, tx] = z[b, t, c] if (t < end and c < width) else dt(0.0)
-                    ms[ty, tx] = state[b, r_own, c] if (r_own < m and c < width) else dt(0.0)
-                    cuda.syncthreads()
-                    for x in range(T):
-                        acc += zs[ty, x] * ms[tx, x]
-                    cuda.syncthreads()
-                r = r0 + tx
-                if t < end and r < m:
-                    out[b, t, r] += (
-                        feature(x_kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r, end) * acc
-                    )
-            for c0 in range(0, width, T):
-                c = c0 + tx
-                s = dt(0.0)
-                if r_own < m and c < width:
-                    s = decay(mus, b, n, r_own) * state[b, r_own, c]
-                for j0 in range(start, end, T):
-                    j = j0 + ty
-                    ys[ty, tx] = feature(y_kind, lq, lk, mus, F, G, Gm, flo, b, n, j, r0 + tx, end)
-                    ws[ty, tx] = w[b, j, c] if (j < end and c < width) else dt(0.0)
-                    cuda.syncthreads()
-                    for y in range(T):
-                        s += ys[y, ty] * ws[y, tx]
-                    cuda.syncthreads()
-                if r_own < m and c < width:
-                    state[b, r_own, c] = s
+        t = t0 + ty
+        r_load = r0 + ty
+        acc = dt(0.0)
+        for c0 in range(0, width, T):
+            c = c0 + tx
+            zs[ty, tx] = z[b, t, c] if (t < end and c < width) else dt(0.0)
+            ms[ty, tx] = states[b, n, r_load, c] if (r_load < m and c < width) else dt(0.0)
+            cuda.syncthreads()
+            for x in range(T):
+                acc += zs[ty, x] * ms[tx, x]
+            cuda.syncthreads()
+        r = r0 + tx
+        if t < end and r < m:
+            out[b, t, r] += feature(kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r, end) * acc
 
     @cuda.jit
     def backward_intra_queries(lq, lk, va, dout, mus, F, G, Gm, flo, dlq, chunk, tiles):
@@ -485,8 +519,10 @@ def _build(dt: Any) -> SimpleNamespace:
         prefix_max=prefix_max,
         row_stats=row_stats,
         forward_intra=forward_intra,
-        scan_columns=scan_columns,
-        scan_rows=scan_rows,
+        chunk_increments=chunk_increments,
+        scan_states=scan_states,
+        state_readout=state_readout,
+        feature_readout=feature_readout,
         backward_intra_queries=backward_intra_queries,
         backward_intra_keys=backward_intra_keys,
     )
@@ -494,7 +530,7 @@ def _build(dt: Any) -> SimpleNamespace:
 
 def signatures(precision: str) -> dict[str, str]:
     """Argument types of every kernel (C-contiguous arrays), for ahead-of-time PTX checks."""
-    a2, a3 = (f"{precision}[{', '.join([':'] * (k - 1) + ['::1'])}]" for k in (2, 3))
+    a2, a3, a4 = (f"{precision}[{', '.join([':'] * (k - 1) + ['::1'])}]" for k in (2, 3, 4))
     stats = f"{a3}, {a2}, {a2}, {a2}, {a2}"  # mus, F, G, Gm, flo
     i = "int64"
     return {
@@ -502,8 +538,10 @@ def signatures(precision: str) -> dict[str, str]:
         "prefix_max": f"void({a2}, {a3}, {a2})",
         "row_stats": f"void({a3}, {a3}, {stats}, {i})",
         "forward_intra": f"void({a3}, {a3}, {a3}, {stats}, {a3}, {i}, {i})",
-        "scan_columns": f"void({a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i}, {i}, boolean)",
-        "scan_rows": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i}, {i}, boolean)",
+        "chunk_increments": f"void({a3}, {a3}, {a3}, {stats}, {a4}, {i}, {i}, {i})",
+        "scan_states": f"void({a3}, {a3}, {a4}, {a3}, boolean)",
+        "state_readout": f"void({a3}, {a3}, {stats}, {a4}, {a3}, {i}, {i}, {i})",
+        "feature_readout": f"void({a3}, {a3}, {a3}, {stats}, {a4}, {a3}, {i}, {i}, {i})",
         "backward_intra_queries": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {i}, {i})",
         "backward_intra_keys": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i})",
     }

@@ -38,13 +38,25 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["causal_backward_kernel", "causal_kernel", "fast_exp", "status"]
+__all__ = [
+    "causal_backward_kernel",
+    "causal_kernel",
+    "fast_exp",
+    "favor_causal",
+    "numpy_backward",
+    "numpy_forward",
+    "status",
+]
 
 # "contract" only lets LLVM fuse multiply-adds; no flag that assumes finite values.
 _SERIAL = {"cache": True, "nogil": True, "fastmath": {"contract"}, "error_model": "numpy"}
 _PARALLEL = {**_SERIAL, "parallel": True}
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+#: Per head, the backward keeps every chunk's state and key features up to this many
+#: bytes; beyond, it keeps ``sqrt(N)`` checkpoints and recomputes (one more state pass).
+STORE_BYTES = 48 * 2**20
 
 
 def status() -> str:
@@ -214,48 +226,114 @@ def _absorb(lk, va, kv, mu, ms, phi, shift, decay, product):  # type: ignore[no-
 
 
 @njit(**_SERIAL)
-def _head_forward(lq, lk, va, kv, mu, chunk, out, buffers, small):  # type: ignore[no-untyped-def]
-    """One head: outputs into ``out``; ``kv`` and ``mu`` are advanced in place."""
-    length, m = lq.shape
+def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, product):  # type: ignore[no-untyped-def]
+    """Unnormalised outputs of one chunk into ``block``; then ``(kv, mu)`` absorb its keys."""
+    c, m = lq.shape
     d = va.shape[1]
-    u, psi, phi = buffers[0], buffers[1], buffers[2]
-    ms, shift, decay = small[0], small[1], small[2]
-    g = np.empty(chunk, lq.dtype)
-    run = np.empty(chunk, lq.dtype)
-    w = np.empty(chunk, lq.dtype)
-    weight_buf = np.empty(chunk * chunk, lq.dtype)
-    intra_buf = np.empty(chunk * chunk, lq.dtype)
-    state_out = np.empty((chunk, d), lq.dtype)
-    product = np.empty((m, d), lq.dtype)
-    for t0 in range(0, length, chunk):
-        t1 = min(t0 + chunk, length)
-        c = t1 - t0
-        weights = weight_buf[: c * c].reshape(c, c)
-        intra = intra_buf[: c * c].reshape(c, c)
-        has_state = _safe_shift(mu, ms)
-        _chunk_shifts(
-            lq[t0:t1], lk[t0:t1], ms, has_state, u[:c], psi[:c], g, run, w, weights
-        )
-        np.dot(u[:c], psi[:c].T, intra)
-        for i in range(c):
-            for j in range(c):
-                intra[i, j] *= weights[i, j]
-        np.dot(u[:c], kv, state_out[:c])
-        block = out[t0:t1]
-        np.dot(intra, va[t0:t1], block)
-        for i in range(c):
-            for e in range(d):
-                block[i, e] += w[i] * state_out[i, e]
-        _absorb(lk[t0:t1], va[t0:t1], kv, mu, ms, phi[:c], shift, decay, product)
+    u, psi, phi = work[0][:c], work[1][:c], work[2][:c]
+    weights = square[0][: c * c].reshape(c, c)
+    intra = square[1][: c * c].reshape(c, c)
+    ms, shift, decay = vecs[0][:m], vecs[1][:m], vecs[2][:m]
+    g, run, w = vecs[3][:c], vecs[4][:c], vecs[5][:c]
+    has_state = _safe_shift(mu, ms)
+    _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
+    np.dot(u, psi.T, intra)
+    for i in range(c):
+        for j in range(c):
+            intra[i, j] *= weights[i, j]
+    np.dot(u, kv, state_out[:c])
+    np.dot(intra, va, block)
+    for i in range(c):
+        for e in range(d):
+            block[i, e] += w[i] * state_out[i, e]
+    _absorb(lk, va, kv, mu, ms, phi, shift, decay, product)
+
+
+@njit(**_SERIAL)
+def _workspace(chunk, m, d, dtype):  # type: ignore[no-untyped-def]
+    return (
+        np.empty((3, chunk, m), dtype),
+        np.empty((2, chunk * chunk), dtype),
+        np.empty((6, max(m, chunk)), dtype),
+        np.empty((chunk, d), dtype),
+        np.empty((m, d), dtype),
+    )
 
 
 @njit(**_PARALLEL)
 def _forward(lq, lk, va, kv, mu, chunk, out):  # type: ignore[no-untyped-def]
-    batch, _, m = lq.shape
+    batch, length, m = lq.shape
     for b in prange(batch):
-        buffers = np.empty((3, chunk, m), lq.dtype)
-        small = np.empty((3, m), lq.dtype)
-        _head_forward(lq[b], lk[b], va[b], kv[b], mu[b], chunk, out[b], buffers, small)
+        work, square, vecs, state_out, product = _workspace(chunk, m, va.shape[2], lq.dtype)
+        for t0 in range(0, length, chunk):
+            t1 = min(t0 + chunk, length)
+            _chunk_forward(
+                lq[b][t0:t1], lk[b][t0:t1], va[b][t0:t1], kv[b], mu[b], out[b][t0:t1],
+                work, square, vecs, state_out, product,
+            )  # fmt: skip
+
+
+@njit(**_SERIAL)
+def _log_features(x, projection, consts, hyperbolic, scaled, proj, out):  # type: ignore[no-untyped-def]
+    """``FeatureMap.signed_log_features`` for "positive"/"hyperbolic" kinds, one block.
+
+    ``consts = [sqrt(scale), log(m) / 2]`` in the compute dtype; same operations, in
+    the same order, as the array-API code.
+    """
+    c, d = x.shape
+    rows = projection.shape[0]
+    for i in range(c):
+        for e in range(d):
+            scaled[i, e] = x[i, e] * consts[0]
+    np.dot(scaled, projection.T, proj)
+    for i in range(c):
+        half_norm = scaled[i, 0] * scaled[i, 0]
+        for e in range(1, d):
+            half_norm += scaled[i, e] * scaled[i, e]
+        half_norm = half_norm / 2
+        for r in range(rows):
+            out[i, r] = proj[i, r] - half_norm - consts[1]
+        if hyperbolic:
+            for r in range(rows):
+                out[i, rows + r] = -proj[i, r] - half_norm - consts[1]
+
+
+@njit(**_PARALLEL)
+def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out):  # type: ignore[no-untyped-def]
+    """Features, causal attention and normalisation per chunk: no ``L x m`` array anywhere."""
+    batch, length, head_dim = q.shape
+    dv = v.shape[2]
+    m = kv.shape[1]
+    rows = projection.shape[0]
+    dtype = q.dtype
+    for b in prange(batch):
+        work, square, vecs, state_out, product = _workspace(chunk, m, dv + 1, dtype)
+        scaled = np.empty((chunk, head_dim), dtype)
+        proj = np.empty((chunk, rows), dtype)
+        lq = np.empty((chunk, m), dtype)
+        lk = np.empty((chunk, m), dtype)
+        va = np.empty((chunk, dv + 1), dtype)
+        block = np.empty((chunk, dv + 1), dtype)
+        for t0 in range(0, length, chunk):
+            t1 = min(t0 + chunk, length)
+            c = t1 - t0
+            _log_features(q[b][t0:t1], projection, consts, hyperbolic, scaled[:c], proj[:c],
+                          lq[:c])
+            _log_features(k[b][t0:t1], projection, consts, hyperbolic, scaled[:c], proj[:c],
+                          lk[:c])
+            for i in range(c):
+                if not mask[b, t0 + i]:
+                    for r in range(m):
+                        lk[i, r] = -np.inf
+                for e in range(dv):
+                    va[i, e] = v[b, t0 + i, e]
+                va[i, dv] = 1
+            _chunk_forward(lq[:c], lk[:c], va[:c], kv[b], mu[b], block[:c], work, square, vecs,
+                           state_out, product)
+            for i in range(c):
+                den = block[i, dv]
+                for e in range(dv):
+                    out[b, t0 + i, e] = block[i, e] / den if den != 0 else 0
 
 
 # -- backward -------------------------------------------------------------------------
@@ -316,17 +394,21 @@ def _chunk_backward(  # type: ignore[no-untyped-def]
 
 @njit(**_SERIAL)
 def _head_backward(  # type: ignore[no-untyped-def]
-    lq, lk, va, kv0, mu0, chunk, dout, dkv_out, dlq, dlk, dva, dkv
+    lq, lk, va, kv0, mu0, chunk, dout, dkv_out, dlq, dlk, dva, dkv, store_bytes
 ):
     """One head: checkpoint states, then recompute each segment forward and scan back."""
     length, m = lq.shape
     d = va.shape[1]
     dtype = lq.dtype
     n_chunks = (length + chunk - 1) // chunk
-    per_segment = max(1, int(math.ceil(math.sqrt(n_chunks))))
+    # Keep every chunk's state (and features) when that is small, else sqrt(N) checkpoints.
+    stored = n_chunks * (m * d + chunk * m) * lq.itemsize
+    per_segment = n_chunks if stored <= store_bytes else math.ceil(math.sqrt(n_chunks))
     n_segments = (n_chunks + per_segment - 1) // per_segment
     check_kv = np.empty((n_segments, m, d), dtype)
     check_mu = np.empty((n_segments, m), dtype)
+    check_kv[0] = kv0
+    check_mu[0] = mu0
     seg_kv = np.empty((per_segment, m, d), dtype)
     seg_mu = np.empty((per_segment + 1, m), dtype)
     seg_phi = np.empty((per_segment, chunk, m), dtype)
@@ -339,14 +421,14 @@ def _head_backward(  # type: ignore[no-untyped-def]
     ms, shift, decay = state_vecs[0], state_vecs[1], state_vecs[2]
     kv = kv0.copy()
     mu = mu0.copy()
-    # Pass 1: states at segment starts (checkpoints).
-    for n in range(n_chunks):
-        if n % per_segment == 0:
-            check_kv[n // per_segment] = kv
-            check_mu[n // per_segment] = mu
+    # Pass 1: states at segment starts (checkpoints); none needed for one segment.
+    for n in range((n_segments - 1) * per_segment):
         t0, t1 = n * chunk, min(n * chunk + chunk, length)
         _safe_shift(mu, ms)
         _absorb(lk[t0:t1], va[t0:t1], kv, mu, ms, seg_phi[0][: t1 - t0], shift, decay, product)
+        if (n + 1) % per_segment == 0:
+            check_kv[(n + 1) // per_segment] = kv
+            check_mu[(n + 1) // per_segment] = mu
     # Pass 2: segments last to first; recompute their states, then reverse-scan dS.
     ds = dkv_out.copy()
     for s in range(n_segments - 1, -1, -1):
@@ -360,7 +442,14 @@ def _head_backward(  # type: ignore[no-untyped-def]
             seg_mu[n - n0] = mu
             _safe_shift(mu, ms)
             _absorb(
-                lk[t0:t1], va[t0:t1], kv, mu, ms, seg_phi[n - n0][: t1 - t0], shift, decay,
+                lk[t0:t1],
+                va[t0:t1],
+                kv,
+                mu,
+                ms,
+                seg_phi[n - n0][: t1 - t0],
+                shift,
+                decay,
                 product,
             )
         seg_mu[n1 - n0] = mu
@@ -368,18 +457,34 @@ def _head_backward(  # type: ignore[no-untyped-def]
             t0, t1 = n * chunk, min(n * chunk + chunk, length)
             i = n - n0
             _chunk_backward(
-                lq[t0:t1], lk[t0:t1], va[t0:t1], dout[t0:t1], seg_kv[i], seg_mu[i],
-                seg_mu[i + 1], seg_phi[i][: t1 - t0], ds, dlq[t0:t1], dlk[t0:t1],
-                dva[t0:t1], rows, vecs, square, scaled, product,
+                lq[t0:t1],
+                lk[t0:t1],
+                va[t0:t1],
+                dout[t0:t1],
+                seg_kv[i],
+                seg_mu[i],
+                seg_mu[i + 1],
+                seg_phi[i][: t1 - t0],
+                ds,
+                dlq[t0:t1],
+                dlk[t0:t1],
+                dva[t0:t1],
+                rows,
+                vecs,
+                square,
+                scaled,
+                product,
             )
     dkv[:] = ds
 
 
 @njit(**_PARALLEL)
-def _backward(lq, lk, va, kv, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv):  # type: ignore[no-untyped-def]
+def _backward(lq, lk, va, kv, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, store_bytes):  # type: ignore[no-untyped-def]
     for b in prange(lq.shape[0]):
-        _head_backward(lq[b], lk[b], va[b], kv[b], mu[b], chunk, dout[b], dkv_out[b],
-                       dlq[b], dlk[b], dva[b], dkv[b])
+        _head_backward(
+            lq[b], lk[b], va[b], kv[b], mu[b], chunk, dout[b], dkv_out[b], dlq[b], dlk[b],
+            dva[b], dkv[b], store_bytes,
+        )  # fmt: skip
 
 
 # -- NumPy entry points (checked before any compiled code runs) -----------------------
@@ -399,15 +504,15 @@ def _check(
                 f"{name} must have dtype float32 or float64, the same as log_phi_q "
                 f"({dtype}); got {x.dtype}"
             )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer) or (
-        chunk_size < 1
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int | np.integer)
+        or (chunk_size < 1)
     ):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     lq = arrays["log_phi_q"]
     if lq.ndim < 2 or 0 in lq.shape[-2:]:
-        raise ValueError(
-            f"log_phi_q must have shape (..., L, m) with L, m >= 1; got {lq.shape}"
-        )
+        raise ValueError(f"log_phi_q must have shape (..., L, m) with L, m >= 1; got {lq.shape}")
     *batch, length, m = lq.shape
     va = arrays["values_aug"]
     width = va.shape[-1] if va.ndim >= 2 else 0
@@ -499,7 +604,7 @@ def numpy_backward(
         "d_outputs_aug": d_outputs_aug,
         "d_kv": d_kv,
     }
-    batch, length, m, width, dtype = _check(arrays, chunk_size)
+    batch, length, m, width, _ = _check(arrays, chunk_size)
     chunk = int(min(chunk_size, length))
     flat = [_flat(a, 2) for a in (log_phi_q, log_phi_k, values_aug, kv)]
     mu = _flat(log_shift, 1)
@@ -507,12 +612,93 @@ def numpy_backward(
     dlq, dlk = np.empty_like(flat[0]), np.empty_like(flat[1])
     dva, dkv = np.empty_like(flat[2]), np.empty_like(flat[3])
     with _single_threaded_blas():
-        _backward(*flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv)
+        _backward(*flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, STORE_BYTES)
     return (
         dlq.reshape((*batch, length, m)),
         dlk.reshape((*batch, length, m)),
         dva.reshape((*batch, length, width)),
         dkv.reshape((*batch, m, width)),
+    )
+
+
+def favor_causal(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    projection: np.ndarray,
+    *,
+    hyperbolic: bool,
+    scale: float,
+    key_mask: np.ndarray | None,
+    kv: np.ndarray,
+    log_shift: np.ndarray,
+    chunk_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Causal FAVOR+ in one pass: features, attention and normalisation chunk by chunk.
+
+    The same results as ``FeatureMap.signed_log_features`` followed by
+    :func:`numpy_forward` and ``linattn.causal.normalise`` for the ``"positive"`` and
+    ``"hyperbolic"`` kinds, without ever holding an ``L x m`` feature array: memory
+    above inputs and outputs is ``O(C m)`` per thread.  Inputs must already be
+    checked by ``linattn`` (shapes broadcast, one floating dtype); they are cast to
+    the compute dtype (float64 stays, all else float32).
+
+    Returns
+    -------
+    (outputs, kv_out, log_shift_out)
+        Normalised outputs ``(*batch, L, d_v)`` in the compute dtype and the state.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.zeros((1, 3, 2)); w = np.eye(2); v = np.arange(6.0).reshape(1, 3, 2)
+    >>> out, kv, mu = favor_causal(x, x, v, w, hyperbolic=False, scale=1.0, key_mask=None,
+    ...     kv=np.zeros((1, 2, 3)), log_shift=np.full((1, 2), -np.inf), chunk_size=2)
+    >>> out[0]
+    array([[0., 1.],
+           [1., 2.],
+           [2., 3.]])
+    """
+    dtype = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
+    rows, head_dim = projection.shape
+    m = kv.shape[-2]
+    if m != rows * (2 if hyperbolic else 1) or q.shape[-1] != head_dim:
+        raise ValueError(
+            f"projection {projection.shape} does not match q {q.shape} and kv {kv.shape}"
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer) or (
+        chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    length, dv = q.shape[-2], v.shape[-1]
+    batch = np.broadcast_shapes(
+        q.shape[:-2], k.shape[:-2], v.shape[:-2], kv.shape[:-2], log_shift.shape[:-1],
+        () if key_mask is None else key_mask.shape[:-1],
+    )  # fmt: skip
+
+    def flat(x: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
+        full = np.broadcast_to(x, (*batch, *tail)).reshape(-1, *tail)
+        return np.ascontiguousarray(full, dtype=dtype)
+
+    qf, kf, vf = flat(q, (length, head_dim)), flat(k, (length, head_dim)), flat(v, (length, dv))
+    mask = np.ones((1, 1), bool) if key_mask is None else key_mask
+    maskf = np.ascontiguousarray(np.broadcast_to(mask, (*batch, length)).reshape(-1, length))
+    state = np.array(np.broadcast_to(kv, (*batch, m, dv + 1)), dtype, order="C", copy=True)
+    state = state.reshape(-1, m, dv + 1)
+    mu = np.array(np.broadcast_to(log_shift, (*batch, m)), dtype, order="C", copy=True)
+    mu = mu.reshape(-1, m)
+    consts = np.array([np.sqrt(scale), 0.5 * np.log(m)], dtype=dtype)
+    out = np.empty((qf.shape[0], length, dv), dtype)
+    chunk = int(min(chunk_size, length))
+    with _single_threaded_blas():
+        _forward_fused(
+            qf, kf, vf, maskf, np.ascontiguousarray(projection, dtype=dtype), consts,
+            bool(hyperbolic), state, mu, chunk, out,
+        )  # fmt: skip
+    return (
+        out.reshape((*batch, length, dv)),
+        state.reshape((*batch, m, dv + 1)),
+        mu.reshape((*batch, m)),
     )
 
 
@@ -570,7 +756,8 @@ def _torch_kernel(lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int) 
     import torch
 
     tensors = (lq, lk, va, kv, mu)
-    for name, x in zip(("log_phi_q", "log_phi_k", "values_aug", "kv", "log_shift"), tensors):
+    names = ("log_phi_q", "log_phi_k", "values_aug", "kv", "log_shift")
+    for name, x in zip(names, tensors, strict=True):
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
             raise TypeError(f"{name} must be a torch CPU tensor; got {_describe(x)}")
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):

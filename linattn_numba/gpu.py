@@ -16,6 +16,10 @@ caller's library, and launches the kernels of :mod:`linattn_numba._gpu_kernels`
   caller's next synchronisation, as for any CUDA library).
 * torch CUDA tensors that require grad go through
   ``linattn_numba._torch.autograd_kernel(forward, backward)``.
+* Scratch memory: the state before every chunk, ``(B, L / C, m, d_v + 1)`` in
+  the compute dtype (two such arrays in backward), about the size of one
+  log-feature array at ``C = 64``; it is what makes every step but an
+  elementwise scan parallel over chunks.
 
 Examples
 --------
@@ -44,7 +48,7 @@ import numpy as np
 from numba.core.errors import NumbaPerformanceWarning
 
 from linattn_numba import _cuda
-from linattn_numba._gpu_kernels import KEY_STATE, TILE, WEIGHTED_QUERY, kernels
+from linattn_numba._gpu_kernels import KEY_STATE, QUERY, TILE, WEIGHTED_QUERY, kernels
 
 __all__ = ["LIBRARIES", "backward", "causal_kernel", "forward"]
 
@@ -375,21 +379,33 @@ def forward(
     with _cuda.gpu(p.device):
         lq, lk = (lib.prepare(x, p.shape("features"), p.dtype) for x in (log_phi_q, log_phi_k))
         va = lib.prepare(values_aug, p.shape("values"), p.dtype)
-        kv_out = lib.copy(kv, p.shape("state"), p.dtype)  # the state is scanned in place
         out = lib.empty(p.shape("values"), p.dtype, p.device)
         if p.batch and p.length:
+            state = lib.prepare(kv, p.shape("state"), p.dtype)
             mu = lib.prepare(log_shift, p.shape("shift"), p.dtype)
+            kv_out = lib.empty(p.shape("state"), p.dtype, p.device)
             mu_out = lib.empty(p.shape("shift"), p.dtype, p.device)
+            # The state before every chunk, (B, L / C, m, d_v + 1): about as large as one
+            # log-feature array, and it turns the scan over chunks into parallel work.
+            states = lib.empty((p.batch, p.num_chunks, p.m, p.width), p.dtype, p.device)
             launch = _Launcher(p)
             stats = _stabilisers(p, launch, lq, lk, mu, mu_out)
-            grid = (p.num_chunks * p.tiles, p.batch)
+            row_tiles, column_tiles = -(-p.m // TILE), -(-p.width // TILE)
+            grid: tuple[int, ...] = (p.num_chunks * p.tiles, p.batch)
             launch("forward_intra", grid, BLOCK, lq, lk, va, *stats, out, p.chunk, p.tiles)
-            columns = (-(-p.width // TILE), p.batch)
+            grid = (p.num_chunks, row_tiles * column_tiles, p.batch)
             launch(
-                "scan_columns", columns, BLOCK, lq, lk, va, *stats, kv_out, out, p.chunk,
-                WEIGHTED_QUERY, KEY_STATE, False,
+                "chunk_increments", grid, BLOCK, lq, lk, va, *stats, states, p.chunk, row_tiles,
+                KEY_STATE,
             )  # fmt: skip
+            grid = (-(-p.m * p.width // (TILE * TILE)), p.batch)
+            launch("scan_states", grid, (TILE * TILE,), state, stats[0], states, kv_out, False)
+            grid = (p.num_chunks * p.tiles, column_tiles, p.batch)
+            launch(
+                "state_readout", grid, BLOCK, lq, lk, *stats, states, out, p.chunk, p.tiles, QUERY
+            )
         else:
+            kv_out = lib.copy(kv, p.shape("state"), p.dtype)
             mu_out = lib.copy(log_shift, p.shape("shift"), p.dtype)
         return p.result(out, "values"), p.result(kv_out, "state"), p.result(mu_out, "shift")
 
@@ -426,17 +442,23 @@ def backward(
         )
         d_lq, d_lk = (lib.empty(p.shape("features"), p.dtype, p.device) for _ in range(2))
         d_va = lib.empty(p.shape("values"), p.dtype, p.device)
+        d_kv = lib.empty(p.shape("state"), p.dtype, p.device)
         if d_kv_out is None:
-            d_kv, d_state = (lib.zeros(p.shape("state"), p.dtype, p.device) for _ in range(2))
-        else:  # both are scanned in place: d_kv by feature tiles, d_state by column tiles
-            d_kv, d_state = (lib.copy(d_kv_out, p.shape("state"), p.dtype) for _ in range(2))
+            d_final = lib.zeros(p.shape("state"), p.dtype, p.device)
+        else:
+            d_final = lib.prepare(d_kv_out, p.shape("state"), p.dtype)
         if p.batch and p.length:
-            state = lib.copy(kv, p.shape("state"), p.dtype)
+            state = lib.prepare(kv, p.shape("state"), p.dtype)
             mu = lib.prepare(log_shift, p.shape("shift"), p.dtype)
+            kv_out = lib.empty(p.shape("state"), p.dtype, p.device)
             mu_out = lib.empty(p.shape("shift"), p.dtype, p.device)
+            # S_n (recomputed forward from kv) and dS_{n+1} (a reverse scan) for every chunk.
+            shape = (p.batch, p.num_chunks, p.m, p.width)
+            states, d_states = (lib.empty(shape, p.dtype, p.device) for _ in range(2))
             launch = _Launcher(p)
             stats = _stabilisers(p, launch, lq, lk, mu, mu_out)
-            grid = (p.num_chunks * p.tiles, p.batch)
+            row_tiles, column_tiles = -(-p.m // TILE), -(-p.width // TILE)
+            grid: tuple[int, ...] = (p.num_chunks * p.tiles, p.batch)
             launch(
                 "backward_intra_queries", grid, BLOCK, lq, lk, va, d_out, *stats, d_lq,
                 p.chunk, p.tiles,
@@ -445,19 +467,34 @@ def backward(
                 "backward_intra_keys", grid, BLOCK, lq, lk, va, d_out, *stats, d_lk, d_va,
                 p.chunk, p.tiles,
             )  # fmt: skip
-            rows, columns = (-(-p.m // TILE), p.batch), (-(-p.width // TILE), p.batch)
+            grid = (p.num_chunks, row_tiles * column_tiles, p.batch)
             launch(
-                "scan_rows", rows, BLOCK, lq, lk, d_out, va, *stats, state, d_lq, p.chunk,
-                WEIGHTED_QUERY, KEY_STATE, False,
+                "chunk_increments", grid, BLOCK, lq, lk, va, *stats, states, p.chunk, row_tiles,
+                KEY_STATE,
             )  # fmt: skip
             launch(
-                "scan_rows", rows, BLOCK, lq, lk, va, d_out, *stats, d_kv, d_lk, p.chunk,
-                KEY_STATE, WEIGHTED_QUERY, True,
+                "chunk_increments", grid, BLOCK, lq, lk, d_out, *stats, d_states, p.chunk,
+                row_tiles, WEIGHTED_QUERY,
+            )  # fmt: skip
+            grid = (-(-p.m * p.width // (TILE * TILE)), p.batch)
+            launch("scan_states", grid, (TILE * TILE,), state, stats[0], states, kv_out, False)
+            launch("scan_states", grid, (TILE * TILE,), d_final, stats[0], d_states, d_kv, True)
+            grid = (p.num_chunks * p.tiles, row_tiles, p.batch)
+            launch(
+                "feature_readout", grid, BLOCK, lq, lk, d_out, *stats, states, d_lq, p.chunk,
+                p.tiles, WEIGHTED_QUERY,
             )  # fmt: skip
             launch(
-                "scan_columns", columns, BLOCK, lq, lk, d_out, *stats, d_state, d_va, p.chunk,
-                KEY_STATE, WEIGHTED_QUERY, True,
+                "feature_readout", grid, BLOCK, lq, lk, va, *stats, d_states, d_lk, p.chunk,
+                p.tiles, KEY_STATE,
             )  # fmt: skip
+            grid = (p.num_chunks * p.tiles, column_tiles, p.batch)
+            launch(
+                "state_readout", grid, BLOCK, lq, lk, *stats, d_states, d_va, p.chunk, p.tiles,
+                KEY_STATE,
+            )  # fmt: skip
+        else:
+            d_kv = lib.copy(d_final, p.shape("state"), p.dtype)
         return (
             p.result(d_lq, "features"),
             p.result(d_lk, "features"),

@@ -1,12 +1,13 @@
 """Batch- and sequence-parallel attention on Dask: equal to the in-memory result, lazy, and
 unchanged when a worker dies mid-computation.
 
-Runs when ``dask`` is among ``$LINATTN_TEST_BACKENDS`` (or the variable is unset).  One
+Runs when the ``dask`` backend is selected (``LINATTN_TEST_BACKENDS``, see conftest).  One
 ``distributed.LocalCluster`` with two worker processes serves the whole module.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -16,9 +17,7 @@ import pytest
 
 import linattn as la
 
-_selected = os.environ.get("LINATTN_TEST_BACKENDS", "").strip()
-if _selected and "dask" not in {n.strip() for n in _selected.split(",")}:
-    pytest.skip("the dask backend is not selected", allow_module_level=True)
+pytestmark = pytest.mark.needs("dask")
 
 dask = pytest.importorskip("dask")
 da = pytest.importorskip("dask.array")
@@ -32,7 +31,11 @@ from linattn.distributed import (  # noqa: E402
 B, H, D, DV, M = 2, 3, 8, 6, 16
 FLOAT64 = {"rtol": 1e-10, "atol": 1e-12}
 FM = la.FeatureMap(D, M, seed=3)
-PARALLEL = {"batch": batch_parallel_attention, "sequence": sequence_parallel_attention}
+# lookahead=2 < the number of chunks: the causal key side is held back.
+PARALLEL = {
+    "batch": batch_parallel_attention,
+    "sequence": functools.partial(sequence_parallel_attention, lookahead=2),
+}
 # Sequence chunkings that divide L = 96 and that do not (L = 100).
 CHUNKINGS = {"divides": (96, 32), "ragged": (100, 32)}
 
@@ -45,7 +48,7 @@ def client():
             threads_per_worker=1,
             processes=True,
             memory_limit="1GiB",
-            dashboard_address=None,
+            dashboard_address=":0",
         ) as cluster,
         distributed.Client(cluster, set_as_default=False) as client,
     ):
@@ -206,17 +209,33 @@ def test_building_the_graph_computes_nothing(causal):
             outs[0].compute()
 
 
-def test_sequence_parallel_tasks_hold_one_chunk():
-    """Every task's output is one sequence chunk or one state: nothing spans the sequence."""
-    q, k, v = (_lazy(x, 32) for x in _inputs(100, seed=7)[:3])
-    out = sequence_parallel_attention(q, k, v, FM, causal=True)
-    graph = out.__dask_graph__()
-    states = [name for name in graph.layers if name.startswith("linattn-chunk-state")]
-    assert len(states) == 1
-    assert graph.layers[states[0]].get_output_keys() == {
-        (states[0], b0, b1, j, 0, 0) for b0 in range(2) for b1 in range(2) for j in range(4)
+def test_causal_task_graph_reads_one_chunk_per_task_and_throttles_the_key_side():
+    """Every task reads one sequence chunk of the inputs (or states); chunk states wait
+    for the outputs ``lookahead`` chunks back."""
+    from dask.core import get_dependencies
+
+    q, k, v = (_lazy(x, 10) for x in _inputs(100, seed=7)[:3])
+    out = sequence_parallel_attention(q, k, v, FM, causal=True, lookahead=3)
+    assert out.chunks == ((1, 1), (2, 1), (10,) * 10, (DV,))
+    graph = dict(out.__dask_graph__())
+    inputs = {q.name, k.name, v.name}
+    tasks = {}
+    for key in graph:
+        if isinstance(key, tuple) and key[0].startswith("linattn-"):
+            tasks.setdefault(key[0].rsplit("-", 1)[0], []).append(key)
+    assert {name: len(keys) for name, keys in tasks.items()} == {
+        "linattn-chunk-state": 40,
+        "linattn-incoming-state": 36,  # the empty state, then n - 2 running combines
+        "linattn-chunk-outputs": 40,
+        "linattn-outputs-done": 40,
     }
-    assert out.chunks == ((1, 1), (2, 1), (32, 32, 32, 4), (DV,))
+    for key in tasks["linattn-chunk-state"] + tasks["linattn-chunk-outputs"]:
+        chunk = key[3]
+        deps = get_dependencies(graph, key)
+        assert {d[3] for d in deps if d[0] in inputs} == {chunk}
+        if key[0].startswith("linattn-chunk-state"):
+            waits = [d for d in deps if d[0].startswith("linattn-outputs-done")]
+            assert waits == ([(waits[0][0], *key[1:3], chunk - 3)] if chunk >= 3 else [])
 
 
 def test_bad_input_is_named():
@@ -227,6 +246,8 @@ def test_bad_input_is_named():
         sequence_parallel_attention(q, [[1.0]], q, FM)
     with pytest.raises(ValueError, match="sequence_chunks must be a positive integer"):
         sequence_parallel_attention(q, q, q, FM, sequence_chunks=0)
+    with pytest.raises(ValueError, match="lookahead must be a positive integer"):
+        sequence_parallel_attention(q, q, q, FM, causal=True, lookahead=0)
     with pytest.raises(ValueError, match="head dimension 8"):
         batch_parallel_attention(q[..., :4], q[..., :4], q, FM)
     with pytest.raises(TypeError, match="key_mask must be a boolean array"):

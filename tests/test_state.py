@@ -50,6 +50,7 @@ def test_normaliser_column_is_at_least_one(backend: Backend) -> None:
     assert backend.to_numpy(a[0])[:, -1].min() >= 1.0
 
 
+@pytest.mark.needs("jax")
 def test_jax_jit() -> None:
     jax = pytest.importorskip("jax")
     rng = np.random.default_rng(3)
