@@ -109,8 +109,13 @@ def ptx(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Build the Sphinx site with warnings as errors and run every doctest."""
+    """Build the Sphinx site with warnings as errors, run every doctest and the CLI tests.
+
+    The ``linattn`` command (``cli`` extra) is tested here, where its dependencies are
+    installed; the README's examples run in ``tests/test_cli.py`` too.
+    """
     session.install("-e", ".[numba,cli]", "-r", "docs/requirements.txt")
+    session.run("pytest", "tests/test_cli.py", "-p", "no:cacheprovider")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     session.run(
         "sphinx-build", "-W", "--keep-going", "-b", "doctest", "docs", "docs/_build/doctest"

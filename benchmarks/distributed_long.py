@@ -41,6 +41,30 @@ def _peak() -> int:
     return _status_bytes("VmHWM")
 
 
+def _start_sampler(dask_worker) -> None:  # type: ignore[no-untyped-def]
+    """Sample RSS and the bytes of data the worker holds every 50 ms, keeping the maximum."""
+    import threading
+
+    record = {"rss": 0, "held": 0, "stop": False}
+
+    def sample() -> None:
+        while not record["stop"]:
+            rss = _status_bytes("VmRSS")
+            if rss > record["rss"]:
+                held = sum(getattr(x, "nbytes", 0) for x in list(dask_worker.data.values()))
+                record.update(rss=rss, held=held)
+            time.sleep(0.05)
+
+    dask_worker._linattn_sampler = record
+    threading.Thread(target=sample, daemon=True).start()
+
+
+def _stop_sampler(dask_worker) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    record = dask_worker._linattn_sampler
+    record["stop"] = True
+    return {"rss": record["rss"], "held": record["held"]}
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -177,7 +201,7 @@ def main() -> None:
     ):
         print(
             f"{'L':>9} {'chunks':>6} {'wall s':>8} {'peak RSS per worker (MiB)':>28} "
-            f"{'idle RSS':>9} {'max|diff| prefix':>17} {'load avg':>15}"
+            f"{'idle RSS':>9} {'data at peak':>12} {'max|diff| prefix':>17} {'load avg':>15}"
         )
         for length in args.lengths:
             q, k, v = _inputs(da, length, args, dtype)
@@ -190,11 +214,13 @@ def main() -> None:
             warm = [x[..., : args.chunk, :] for x in (q, k, v)]  # compile kernels first
             client.compute(sequence_parallel_attention(*warm, fm, causal=True, **options)).result()
             idle = client.run(_reset_peak)
+            client.run(_start_sampler)
             load_before = os.getloadavg()[0]
             start = time.perf_counter()
             head, total = client.compute([out[..., :prefix, :], (out * out).sum()], sync=True)
             wall = time.perf_counter() - start
             peaks = client.run(_peak)
+            sampled = client.run(_stop_sampler)
             load_after = os.getloadavg()[0]
             assert np.isfinite(total)
             qp, kp, vp = (x[..., :prefix, :].compute(scheduler="sync") for x in (q, k, v))
@@ -204,8 +230,9 @@ def main() -> None:
             diff = float(np.abs(head - expected).max())
             mib = " ".join(f"{peaks[w] / 2**20:8.0f}" for w in sorted(peaks))
             rest = " ".join(f"{idle[w] / 2**20:4.0f}" for w in sorted(idle))
+            held = " ".join(f"{sampled[w]['held'] / 2**20:4.0f}" for w in sorted(sampled))
             print(
-                f"{length:>9} {len(out.chunks[2]):>6} {wall:>8.1f} {mib:>28} {rest:>9} "
+                f"{length:>9} {len(out.chunks[2]):>6} {wall:>8.1f} {mib:>28} {rest:>9} {held:>12} "
                 f"{diff:>17.2e} {load_before:>6.1f}->{load_after:<6.1f}",
                 flush=True,
             )

@@ -22,6 +22,7 @@ import numpy as np
 import linattn as la
 from linattn._cli_backends import ArrayLibrary
 from linattn._xp import to_host
+from linattn.features import SOFTMAX_KINDS
 
 __all__ = [
     "AccuracyRow",
@@ -53,14 +54,16 @@ def random_kinds() -> list[str]:
 
 @dataclass(frozen=True)
 class Estimator:
-    """A random-feature estimator: a feature kind with iid or orthogonal projections."""
+    """A random-feature estimator: a feature kind, iid or orthogonal, maybe rebalanced."""
 
     kind: str
     orthogonal: bool
+    rebalance: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.kind}-{'orf' if self.orthogonal else 'iid'}"
+        label = f"{self.kind}-{'orf' if self.orthogonal else 'iid'}"
+        return label + "-rebalanced" if self.rebalance else label
 
     def feature_map(self, head_dim: int, num_features: int, seed: int) -> la.FeatureMap:
         return la.FeatureMap(
@@ -68,28 +71,38 @@ class Estimator:
             num_features,
             kind=self.kind,  # type: ignore[arg-type]
             orthogonal=self.orthogonal,
+            rebalance=self.rebalance,
             seed=seed,
         )
 
 
 def parse_estimator(text: str) -> Estimator:
-    """``"KIND-orf"`` or ``"KIND-iid"`` (``"KIND"`` alone means orthogonal).
+    """``"KIND-orf"`` or ``"KIND-iid"`` (``"KIND"`` alone means orthogonal), optionally
+    followed by ``"-rebalanced"`` (SADERF rebalancing).
 
     Examples
     --------
     >>> parse_estimator("positive-iid").label
     'positive-iid'
     >>> parse_estimator("hyperbolic")
-    Estimator(kind='hyperbolic', orthogonal=True)
+    Estimator(kind='hyperbolic', orthogonal=True, rebalance=False)
+    >>> parse_estimator("hyperbolic_oprf-orf-rebalanced").rebalance
+    True
     """
-    kind, _, projection = text.strip().rpartition("-")
+    body = text.strip()
+    rebalance = body.endswith("-rebalanced")
+    body = body.removesuffix("-rebalanced")
+    kind, _, projection = body.rpartition("-")
     if not kind or projection not in ("orf", "iid"):
-        kind, projection = text.strip(), "orf"
+        kind, projection = body, "orf"
     kinds = random_kinds()
-    if kind not in kinds:
+    if kind not in kinds or (rebalance and kind not in SOFTMAX_KINDS):
         choices = ", ".join(f"{k}-orf, {k}-iid" for k in kinds)
-        raise ValueError(f"unknown estimator {text!r}; choose from {choices}")
-    return Estimator(kind, projection == "orf")
+        raise ValueError(
+            f"unknown estimator {text!r}; choose from {choices}, each softmax kind "
+            "optionally followed by -rebalanced"
+        )
+    return Estimator(kind, projection == "orf", rebalance)
 
 
 # -- accuracy -----------------------------------------------------------------------
@@ -118,13 +131,21 @@ METRICS = {
 
 
 def seed_data(
-    length: int, head_dim: int, scale: float, seed: int
+    length: int, head_dim: int, scale: float, seed: int, anisotropy: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``Q, K ~ scale * N(0, 1)`` and ``V ~ N(0, 1)``, float64, from ``seed``."""
+    """``Q, K ~ scale * N(0, 1)`` and ``V ~ N(0, 1)``, float64, from ``seed``.
+
+    With ``anisotropy`` ``a > 0``, query coordinate ``l`` is scaled by ``exp(a z_l)`` and
+    key coordinate ``l`` by ``exp(-a z_l)`` (``z ~ N(0, 1)``): the logits keep their
+    distribution, only the per-coordinate balance of queries and keys changes.
+    """
     rng = np.random.default_rng(seed)
     q = scale * rng.standard_normal((length, head_dim))
     k = scale * rng.standard_normal((length, head_dim))
     v = rng.standard_normal((length, head_dim))
+    if anisotropy:
+        tilt = np.exp(anisotropy * rng.standard_normal(head_dim))
+        q, k = q * tilt, k / tilt
     return q, k, v
 
 
@@ -132,8 +153,8 @@ def _attention_weights(
     feature_map: la.FeatureMap, q: np.ndarray, k: np.ndarray, causal: bool
 ) -> np.ndarray:
     """The estimated attention matrix, rows normalised, computed stably in float64."""
-    log_q, sign_q = feature_map.signed_log_features(q)
-    log_k, sign_k = feature_map.signed_log_features(k)
+    log_q, sign_q = feature_map.signed_log_features(q, role="query")
+    log_k, sign_k = feature_map.signed_log_features(k, role="key")
     # A per-row shift of the queries and one global shift of the keys cancel on
     # normalisation (a per-feature key shift would not).
     phi_q = np.exp(log_q - log_q.max(axis=-1, keepdims=True))
@@ -162,6 +183,7 @@ def accuracy_study(
     length: int = 64,
     head_dim: int = 32,
     input_scale: float = 0.3,
+    anisotropy: float = 0.0,
     draws: int = 50,
     data_seed: int = 0,
     causal: bool = False,
@@ -173,6 +195,8 @@ def accuracy_study(
     One fixed data set; projections drawn with seeds ``0 .. draws - 1``.  Linear
     attention runs on ``library`` (the error includes its rounding); the exact
     reference is NumPy float64.  ``on_step`` is called once per projection draw.
+    Estimators that need query/key statistics (OPRF, rebalancing) are calibrated on
+    the study's own queries and keys.
 
     Examples
     --------
@@ -191,6 +215,7 @@ def accuracy_study(
             length=length,
             head_dim=head_dim,
             input_scale=input_scale,
+            anisotropy=anisotropy,
             draws=draws,
             data_seed=data_seed,
             causal=causal,
@@ -216,6 +241,7 @@ def _accuracy_study(
     length: int,
     head_dim: int,
     input_scale: float,
+    anisotropy: float,
     draws: int,
     data_seed: int,
     causal: bool,
@@ -225,7 +251,7 @@ def _accuracy_study(
     unknown = [metric for metric in metrics if metric not in METRICS]
     if unknown:
         raise ValueError(f"metrics must be among {sorted(METRICS)}; got {unknown}")
-    q, k, v = seed_data(length, head_dim, input_scale, data_seed)
+    q, k, v = seed_data(length, head_dim, input_scale, data_seed, anisotropy)
     exact = la.softmax_attention(q, k, v, causal=causal)
     exact_weights = _exact_weights(q, k, 1.0 / math.sqrt(head_dim), causal)
     q_lib, k_lib, v_lib = (library.asarray(a) for a in (q, k, v))
@@ -235,6 +261,8 @@ def _accuracy_study(
             errors: dict[str, list[float]] = {metric: [] for metric in metrics}
             for seed in range(draws):
                 feature_map = estimator.feature_map(head_dim, m, seed)
+                if feature_map.needs_calibration:
+                    feature_map = feature_map.calibrate(q, k)
                 if "mse" in errors:
                     out = la.linear_attention(q_lib, k_lib, v_lib, feature_map, causal=causal)
                     out = np.asarray(to_host(out), dtype=np.float64)

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from linattn import causal as causal_path
 from linattn._xp import Array, Namespace
 
-__all__ = ["BACKENDS", "causal", "causal_backward_kernel", "kernel_status", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "causal",
+    "causal_backward_kernel",
+    "fused_causal",
+    "kernel_status",
+    "resolve_backend",
+]
 
 BACKENDS = ("auto", "numba", "array_api")
 ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
@@ -45,7 +52,7 @@ def kernel_status() -> dict[str, str]:
     return status
 
 
-def _kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
+def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     """The kernel entry point that serves arrays like ``x``, or ``None`` and the reason."""
     try:
         import linattn_numba
@@ -70,7 +77,7 @@ def causal(
     """Chunked causal attention by the chosen backend; same results either way."""
     chosen = resolve_backend(backend)
     if chosen != "array_api":
-        kernel, reason = _kernel_for(log_phi_q)
+        kernel, reason = kernel_for(log_phi_q)
         if kernel is not None and sign_q is not None:
             kernel, reason = None, "the kernels take positive features only"
         if kernel is not None:
@@ -112,3 +119,45 @@ def causal_backward_kernel(
             f"({type(x).__module__}.{type(x).__name__}): {reason}"
         )
     return kernel
+
+
+def fused_causal(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: object,
+    key_mask: Array | None,
+    kv: Array,
+    log_shift: Array,
+    *,
+    chunk_size: int,
+    backend: str | None,
+) -> CausalResult | None:
+    """Features, causal attention and normalisation in one compiled pass, or ``None``.
+
+    Serves NumPy arrays with ``"positive"`` or ``"hyperbolic"`` features when the CPU
+    kernels import; returns ``(outputs, kv, log_shift)`` with outputs normalised, in
+    the compute dtype.  It never holds an ``L x m`` feature array (the path for long
+    sequences).  ``None`` means: compute features and call :func:`causal`.
+    """
+    kind = getattr(feature_map, "kind", None)
+    if resolve_backend(backend) == "array_api" or kind not in ("positive", "hyperbolic"):
+        return None
+    if type(q).__module__.split(".")[0] != "numpy":
+        return None
+    try:
+        from linattn_numba import cpu
+    except ImportError:
+        return None
+    return cpu.favor_causal(
+        q,
+        k,
+        v,
+        feature_map.projection,  # type: ignore[attr-defined]
+        hyperbolic=kind == "hyperbolic",
+        scale=feature_map.scale,  # type: ignore[attr-defined]
+        key_mask=key_mask,
+        kv=kv,
+        log_shift=log_shift,
+        chunk_size=chunk_size,
+    )

@@ -177,8 +177,8 @@ def linear_attention(
     >>> fm = la.FeatureMap(32, 256, kind="hyperbolic", seed=0)
     >>> out = la.linear_attention(q, k, v, fm, causal=True)
     >>> exact = la.softmax_attention(q, k, v, causal=True)
-    >>> bool(np.abs(out - exact).max() < 0.05)
-    True
+    >>> print(f"mean squared error {np.mean((out - exact) ** 2):.0e}")
+    mean squared error 6e-06
     """
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(

@@ -76,7 +76,7 @@ def oprf_optimal_a(rho: float) -> float:
     >>> oprf_optimal_a(0.0)
     0.0
     >>> round(oprf_optimal_a(1.0), 6)
-    -0.25
+    -0.320194
     """
     if not (math.isfinite(rho) and rho >= 0):
         raise ValueError(f"rho must be a finite non-negative number; got {rho!r}")

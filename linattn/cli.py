@@ -90,6 +90,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
@@ -189,7 +199,9 @@ def _add_accuracy_options(
         help=f"projection draws averaged, seeds 0..N-1 (default: {seeds})",
     )
     if not full:
-        parser.set_defaults(input_scale=0.3, length=64, head_dim=32, data_seed=0)
+        parser.set_defaults(
+            input_scale=0.3, anisotropy=0.0, length=64, head_dim=32, data_seed=0
+        )
         return
     parser.add_argument(
         "--input-scale",
@@ -197,6 +209,14 @@ def _add_accuracy_options(
         default=0.3,
         metavar="S",
         help="queries and keys are S * N(0, 1) (default: 0.3, the seed experiment)",
+    )
+    parser.add_argument(
+        "--anisotropy",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="A",
+        help="query coordinate l scaled by exp(A z_l), key coordinate l by exp(-A z_l), "
+        "z ~ N(0, 1): unbalanced per-coordinate scales, same logits (default: 0)",
     )
     parser.add_argument(
         "--length", type=_positive_int, default=64, metavar="L", help="tokens (default: 64)"
@@ -472,7 +492,7 @@ def causal_path(library: ArrayLibrary) -> str:
         return f"error: {error}"
     if chosen == "array_api":
         return "array API ($LINATTN_BACKEND=array_api)"
-    kernel, reason = _dispatch._kernel_for(library.asarray(_zeros()))
+    kernel, reason = _dispatch.kernel_for(library.asarray(_zeros()))
     if kernel is not None:
         return "compiled Numba kernel"
     return f"array API ({reason})"
@@ -495,7 +515,8 @@ def _machine_header(library: ArrayLibrary, extra: dict[str, str]) -> dict[str, s
 def _accuracy_settings(args: argparse.Namespace, causal: bool) -> dict[str, str]:
     return {
         "data": f"L={args.length}, d={args.head_dim}, Q,K ~ {args.input_scale:g}·N(0,1), "
-        f"V ~ N(0,1), data seed {args.data_seed}",
+        f"V ~ N(0,1), data seed {args.data_seed}"
+        + (f", anisotropy {args.anisotropy:g}" if args.anisotropy else ""),
         "attention": ("causal" if causal else "bidirectional")
         + f", {args.backend} {args.dtype}; reference: exact softmax, NumPy float64",
         "averaged over": f"{args.seeds} projection seeds (cells: mean ± standard error)",
@@ -528,6 +549,7 @@ def _run_accuracy(
         length=args.length,
         head_dim=args.head_dim,
         input_scale=args.input_scale,
+        anisotropy=args.anisotropy,
         draws=args.seeds,
         data_seed=args.data_seed,
         causal=causal,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import array_api_compat
 
-from linattn._xp import Array, Namespace, constant, safe_shift
+from linattn._xp import Array, Namespace, safe_shift
 
 __all__ = ["LinearAttentionState", "absorb_keys", "combine", "empty_state"]
 
@@ -96,13 +96,9 @@ def absorb_keys(
     """
     new_shift = xp.maximum(log_shift, xp.max(log_phi_k, axis=-2))
     safe_new = safe_shift(xp, new_shift)
-    # exp(mu - mu') rescales the old sum; where mu = -inf the old sum is 0 anyway,
-    # and the factor is set to 0 so it cannot become inf * 0.
-    decay = xp.where(
-        xp.isfinite(log_shift),
-        xp.exp(safe_shift(xp, log_shift) - safe_new),
-        constant(xp, 0.0, log_shift),
-    )
+    # exp(mu - mu') rescales the old sum; an empty one (mu = -inf) gets the factor
+    # exp(-inf) = 0, never inf * 0.
+    decay = xp.exp(log_shift - safe_new)
     phi_k = xp.exp(log_phi_k - safe_new[..., None, :])
     if sign_k is not None:
         phi_k = sign_k * phi_k
@@ -121,15 +117,15 @@ def combine(
     Examples
     --------
     >>> import numpy as np
-    >>> s, mu = combine(np, (np.ones((2, 3)), np.zeros(2)), (np.ones((2, 3)), np.log([1.0, 3.0])))
-    >>> s[:, 0], mu
-    (array([2., 2.]), array([0.       , 1.0986123]))
+    >>> first = (np.ones((2, 3)), np.zeros(2))  # one key with log-feature 0 per feature
+    >>> second = (np.ones((2, 3)), np.log([1.0, 3.0]))
+    >>> s, mu = combine(np, first, second)
+    >>> (np.exp(mu)[:, None] * s)[:, 0]  # the unstabilised sums: 1 + 1 and 1 + 3
+    array([2., 4.])
     """
     kv1, mu1 = first
     kv2, mu2 = second
     top = xp.maximum(mu1, mu2)
     safe_top = safe_shift(xp, top)
-    zero = constant(xp, 0.0, top)
-    w1 = xp.where(xp.isfinite(mu1), xp.exp(safe_shift(xp, mu1) - safe_top), zero)
-    w2 = xp.where(xp.isfinite(mu2), xp.exp(safe_shift(xp, mu2) - safe_top), zero)
+    w1, w2 = xp.exp(mu1 - safe_top), xp.exp(mu2 - safe_top)
     return w1[..., :, None] * kv1 + w2[..., :, None] * kv2, top

@@ -280,7 +280,7 @@ def causal_vjp(
             )
             grads.append(chunk_grads)
     grads.reverse()
-    return tuple(  # type: ignore[return-value]
+    return tuple(
         parts[0] if len(parts) == 1 else xp.concat(list(parts), axis=-2)
         for parts in zip(*grads, strict=True)
     )

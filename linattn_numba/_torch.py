@@ -59,7 +59,7 @@ def autograd_kernel(forward: Forward, backward: Backward) -> Callable[..., Any]:
 
     class CausalKernel(torch.autograd.Function):
         @staticmethod
-        def forward(  # type: ignore[override]
+        def forward(
             ctx: Any,
             lq: torch.Tensor,
             lk: torch.Tensor,
@@ -79,7 +79,7 @@ def autograd_kernel(forward: Forward, backward: Backward) -> Callable[..., Any]:
 
         @staticmethod
         @torch.autograd.function.once_differentiable
-        def backward(  # type: ignore[override]
+        def backward(
             ctx: Any, d_out: torch.Tensor | None, d_kv: torch.Tensor | None, _d_mu: Any
         ) -> tuple[torch.Tensor | None, ...]:
             lq, lk, va, kv, mu = ctx.saved_tensors
@@ -106,6 +106,6 @@ def autograd_kernel(forward: Forward, backward: Backward) -> Callable[..., Any]:
         mu: torch.Tensor,
         chunk_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return CausalKernel.apply(lq, lk, va, kv, mu, chunk_size)  # type: ignore[no-any-return]
+        return CausalKernel.apply(lq, lk, va, kv, mu, chunk_size)
 
     return kernel

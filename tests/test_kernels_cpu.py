@@ -257,9 +257,9 @@ def test_torch_without_grad_goes_straight_through() -> None:
 def test_dispatch_uses_kernel_for_numpy_and_torch() -> None:
     assert cpu.status() == "available"
     assert _dispatch.kernel_status()["numba-cpu"] == "available"
-    assert _dispatch._kernel_for(np.zeros(1))[0] is cpu.numpy_forward
+    assert _dispatch.kernel_for(np.zeros(1))[0] is cpu.numpy_forward
     torch = pytest.importorskip("torch")
-    assert _dispatch._kernel_for(torch.zeros(1))[0] is not None
+    assert _dispatch.kernel_for(torch.zeros(1))[0] is not None
 
 
 def test_backend_numba_on_unsupported_arrays_raises() -> None:
@@ -369,4 +369,6 @@ def test_fused_favor_equals_linear_attention(kind: str, dtype: str) -> None:
     )  # fmt: skip
     row_close(out, expected, 10 * RTOL[dtype])  # features rounded in another order
     row_close(kv, state.kv, 10 * RTOL[dtype])
-    np.testing.assert_allclose(mu, state.log_shift, rtol=RTOL[dtype])
+    # Log-features are differences of O(1) terms: absolute error against their size.
+    scale = float(np.abs(state.log_shift).max())
+    np.testing.assert_allclose(mu, state.log_shift, rtol=0, atol=10 * RTOL[dtype] * scale)
