@@ -298,10 +298,31 @@ def test_crossovers_by_mode_and_quantity() -> None:
         ("positive-iid", "positive-iid"),
         ("hyperbolic", "hyperbolic-orf"),
         (" positive-orf", "positive-orf"),
+        ("hyperbolic_oprf-orf-rebalanced", "hyperbolic_oprf-orf-rebalanced"),
+        ("oprf-rebalanced", "oprf-orf-rebalanced"),
     ],
 )
 def test_parse_estimator(text: str, label: str) -> None:
     assert parse_estimator(text).label == label
+
+
+def test_rebalancing_needs_a_softmax_kind() -> None:
+    with pytest.raises(ValueError, match="optionally followed by -rebalanced"):
+        parse_estimator("random_relu-orf-rebalanced")
+
+
+def test_accuracy_calibrates_and_tilts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Calibrated estimators run in the study; with a tilt, rebalancing undoes it exactly."""
+    common = ["accuracy", "--out", str(tmp_path), "--num-features", "16", "--seeds", "2"]
+    common += ["--length", "16", "--head-dim", "8", "--format", "json"]
+    estimators = ["--estimators", "hyperbolic_oprf-orf-rebalanced"]
+    assert cli.main([*common, *estimators, "--anisotropy", "1"]) == 0
+    tilted = json.loads(capsys.readouterr().out)["results"]
+    assert cli.main([*common, *estimators]) == 0
+    plain = json.loads(capsys.readouterr().out)["results"]
+    for a, b in zip(tilted, plain, strict=True):
+        assert a["metric"] == b["metric"]
+        assert a["mean"] == pytest.approx(b["mean"], rel=1e-8)
 
 
 def test_fitted_slope_of_exact_power_law() -> None:
