@@ -42,7 +42,11 @@ def _scale_for_energy(energy: float, head_dim: int) -> float:
 
 SETTINGS = {
     "seed experiment": {"length": 64, "head_dim": 32, "input_scale": 0.3},
-    "isotropic E‖x‖²=0.5": {"length": 256, "head_dim": 64, "input_scale": _scale_for_energy(0.5, 64)},
+    "isotropic E‖x‖²=0.5": {
+        "length": 256,
+        "head_dim": 64,
+        "input_scale": _scale_for_energy(0.5, 64),
+    },
     "isotropic E‖x‖²=1": {"length": 256, "head_dim": 64, "input_scale": _scale_for_energy(1, 64)},
     "isotropic E‖x‖²=2": {"length": 256, "head_dim": 64, "input_scale": _scale_for_energy(2, 64)},
     "anisotropic (A=1, E‖x‖²=1)": {

@@ -32,7 +32,10 @@ def main() -> None:
             np.mean(
                 [
                     np.mean(
-                        (la.linear_attention(q, k, v, la.FeatureMap(d, m, seed=s, **options)) - exact)
+                        (
+                            la.linear_attention(q, k, v, la.FeatureMap(d, m, seed=s, **options))
+                            - exact
+                        )
                         ** 2
                     )
                     for s in range(DRAWS)

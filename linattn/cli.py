@@ -199,9 +199,7 @@ def _add_accuracy_options(
         help=f"projection draws averaged, seeds 0..N-1 (default: {seeds})",
     )
     if not full:
-        parser.set_defaults(
-            input_scale=0.3, anisotropy=0.0, length=64, head_dim=32, data_seed=0
-        )
+        parser.set_defaults(input_scale=0.3, anisotropy=0.0, length=64, head_dim=32, data_seed=0)
         return
     parser.add_argument(
         "--input-scale",
