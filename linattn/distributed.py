@@ -22,8 +22,7 @@ a graph) and run on any Dask scheduler, the default threads one or a
 ``dask.distributed.Client``.
 
 On the wire a state travels packed as one array ``[S | mu]`` of shape
-``(..., 1, m, d_v + 2)``, and the feature map as a :class:`_FeatureMapSpec` graph key
-shared by all tasks (rebuilt, once per process, on the worker).
+``(..., 1, m, d_v + 2)``, and the feature map as one graph key shared by all tasks.
 
 This module is not imported by :mod:`linattn`; it needs ``dask[array]``.
 """
@@ -31,7 +30,6 @@ This module is not imported by :mod:`linattn`; it needs ``dask[array]``.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -315,58 +313,6 @@ def _sequence_block(x: Any, nb: int, j: int) -> Any:
 
 
 @dataclass(frozen=True)
-class _FeatureMapSpec:
-    """What rebuilds a :class:`FeatureMap` in another process (same fingerprint).
-
-    Sent instead of the map itself: one graph key shared by every task.
-    """
-
-    kind: str
-    head_dim: int
-    num_features: int
-    scale: float
-    projection: np.ndarray | None
-    fingerprint: str
-
-    @classmethod
-    def of(cls, feature_map: FeatureMap) -> _FeatureMapSpec:
-        return cls(
-            kind=feature_map.kind,
-            head_dim=feature_map.head_dim,
-            num_features=feature_map.num_features,
-            scale=feature_map.scale,
-            projection=feature_map.projection,
-            fingerprint=feature_map.fingerprint,
-        )
-
-    def build(self) -> FeatureMap:
-        with _BUILT_LOCK:
-            built = _BUILT.get(self.fingerprint)
-            if built is None:
-                if self.projection is None:
-                    built = FeatureMap(
-                        self.head_dim, self.num_features, kind=self.kind, scale=self.scale
-                    )  # type: ignore[arg-type]
-                else:
-                    built = FeatureMap.from_projection(
-                        self.projection,
-                        kind=self.kind,  # type: ignore[arg-type]
-                        scale=self.scale,
-                    )
-                if built.fingerprint != self.fingerprint:  # pragma: no cover - a core change
-                    raise RuntimeError(
-                        f"rebuilt feature map has fingerprint {built.fingerprint}, "
-                        f"expected {self.fingerprint}"
-                    )
-                _BUILT[self.fingerprint] = built
-            return built
-
-
-_BUILT: dict[str, FeatureMap] = {}
-_BUILT_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True)
 class _Inputs:
     q: Any
     k: Any
@@ -374,7 +320,7 @@ class _Inputs:
     key_mask: Any
     info: AttentionInputs
     work_dtype: Any
-    spec: Any  # a Delayed holding a _FeatureMapSpec
+    spec: Any  # a Delayed holding the FeatureMap: one graph key shared by all tasks
     num_features: int
 
 
@@ -396,6 +342,14 @@ def _prepare(
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
+        )
+    if feature_map.needs_calibration:
+        # Statistics over the whole batch and sequence would be one more pass over the
+        # inputs (and, causal, would let later tokens change earlier outputs).
+        raise ValueError(
+            f"distributed attention needs the {feature_map.kind!r} feature map's query/key "
+            "statistics fixed in advance: expected a map from feature_map.calibrate(q, k) "
+            "(e.g. on a sample) or with_statistics(...), got an uncalibrated one"
         )
     named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
     arrays = {}
@@ -453,7 +407,7 @@ def _prepare(
     v = v.rechunk({**like_q, nb: k.chunks[nb], nb + 1: -1})
     if mask is not None:
         mask = mask.rechunk({**like_q, nb: k.chunks[nb]})
-    spec = dask.delayed(_FeatureMapSpec.of(feature_map), pure=True)
+    spec = dask.delayed(feature_map, name=f"linattn-feature-map-{feature_map.fingerprint}")
     work = compute_dtype(np, np.dtype(info.dtype))
     return _Inputs(q, k, v, mask, info, work, spec, feature_map.num_features)
 
@@ -530,7 +484,7 @@ def _batch_block(
         q,
         k,
         v,
-        feature_map.build(),
+        feature_map,
         causal=causal,
         key_mask=mask[0] if mask else None,
         **options,
@@ -542,9 +496,9 @@ def _chunk_state(k: Array, v: Array, *rest: Array, feature_map: Any, masked: boo
 
     ``rest`` holds the key mask (if ``masked``), then tokens of tasks to wait for.
     """
-    fm = feature_map.build()
+    fm = feature_map
     xp = array_api_compat.array_namespace(k)
-    log_phi_k, sign_k = fm.signed_log_features(k)
+    log_phi_k, sign_k = fm.signed_log_features(k, role="key")
     if masked:
         log_phi_k = xp.where(rest[0][..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
     values = xp.astype(v, log_phi_k.dtype)
@@ -558,10 +512,10 @@ def _chunk_state(k: Array, v: Array, *rest: Array, feature_map: Any, masked: boo
 
 def _bidirectional_block(q: Array, total: Array, *, feature_map: Any) -> Array:
     """Outputs of one query chunk from the state of all keys."""
-    fm = feature_map.build()
+    fm = feature_map
     xp = array_api_compat.array_namespace(q)
     kv, log_shift = _unpack(total)
-    log_phi_q, sign_q = fm.signed_log_features(q)
+    log_phi_q, sign_q = fm.signed_log_features(q, role="query")
     return xp.astype(normalise(xp, readout(xp, kv, log_shift, log_phi_q, sign_q)), q.dtype)
 
 
@@ -570,7 +524,7 @@ def _causal_block(
 ) -> Array:
     """Outputs of one sequence chunk, continuing from the state of all earlier chunks."""
     mask, incoming = (rest[0] if masked else None), rest[-1]
-    fm = feature_map.build()
+    fm = feature_map
     kv, log_shift = _unpack(incoming[..., 0, :, :])
     state = LinearAttentionState(kv=kv, log_shift=log_shift, feature_map=fm.fingerprint)
     return linear_attention(

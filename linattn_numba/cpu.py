@@ -215,12 +215,21 @@ def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights):
 
 
 @_jit()
-def _absorb(lk, va, kv, mu, ms, phi, shift, decay, product):
-    """``(S, mu) <- (exp(ms - mu') S + exp(l(K) - mu')^T [V|1], mu')``; leaves ``phi``."""
+def _absorb(lk, va, kv, mu, ms, phi, shift, decay, product, psi, g, reuse):
+    """``(S, mu) <- (exp(ms - mu') S + exp(l(K) - mu')^T [V|1], mu')``; leaves ``phi``.
+
+    With ``reuse``, keys that raise no feature's maximum (``G_j <= 0``) of a state that
+    has seen every feature take ``phi_j = psi_j exp(G_j) exp(ms - mu')`` from the
+    chunk's ``psi`` instead of new exponentials: every factor is at most 1, so it is
+    exact up to rounding and underflows only where ``phi`` itself does.
+    """
     c, m = lk.shape
     zero = ms[0] - ms[0]
+    full = True
     for r in range(m):
         shift[r] = mu[r]
+        if not np.isfinite(mu[r]):
+            full = False
     for j in range(c):
         for r in range(m):
             if lk[j, r] > shift[r]:
@@ -232,8 +241,13 @@ def _absorb(lk, va, kv, mu, ms, phi, shift, decay, product):
         mu[r] = top
         shift[r] = safe
     for j in range(c):
-        for r in range(m):
-            phi[j, r] = fast_exp(lk[j, r] - shift[r])
+        if reuse and full and g[j] <= 0:
+            key_scale = fast_exp(g[j])
+            for r in range(m):
+                phi[j, r] = psi[j, r] * key_scale * decay[r]
+        else:
+            for r in range(m):
+                phi[j, r] = fast_exp(lk[j, r] - shift[r])
     np.dot(phi.T, va, product)
     for r in range(m):
         for e in range(kv.shape[1]):
@@ -261,7 +275,7 @@ def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, pro
     for i in range(c):
         for e in range(d):
             block[i, e] += w[i] * state_out[i, e]
-    _absorb(lk, va, kv, mu, ms, phi, shift, decay, product)
+    _absorb(lk, va, kv, mu, ms, phi, shift, decay, product, psi, g, True)
 
 
 @_jit()
@@ -451,7 +465,8 @@ def _head_backward(lq, lk, va, kv0, mu0, chunk, dout, dkv_out, dlq, dlk, dva, dk
     for n in range((n_segments - 1) * per_segment):
         t0, t1 = n * chunk, min(n * chunk + chunk, length)
         _safe_shift(mu, ms)
-        _absorb(lk[t0:t1], va[t0:t1], kv, mu, ms, seg_phi[0][: t1 - t0], shift, decay, product)
+        phi = seg_phi[0][: t1 - t0]
+        _absorb(lk[t0:t1], va[t0:t1], kv, mu, ms, phi, shift, decay, product, phi, shift, False)
         if (n + 1) % per_segment == 0:
             check_kv[(n + 1) // per_segment] = kv
             check_mu[(n + 1) // per_segment] = mu
@@ -467,16 +482,9 @@ def _head_backward(lq, lk, va, kv0, mu0, chunk, dout, dkv_out, dlq, dlk, dva, dk
             seg_kv[n - n0] = kv
             seg_mu[n - n0] = mu
             _safe_shift(mu, ms)
+            phi = seg_phi[n - n0][: t1 - t0]
             _absorb(
-                lk[t0:t1],
-                va[t0:t1],
-                kv,
-                mu,
-                ms,
-                seg_phi[n - n0][: t1 - t0],
-                shift,
-                decay,
-                product,
+                lk[t0:t1], va[t0:t1], kv, mu, ms, phi, shift, decay, product, phi, shift, False
             )
         seg_mu[n1 - n0] = mu
         for n in range(n1 - 1, n0 - 1, -1):
@@ -579,10 +587,12 @@ def numpy_forward(
     Examples
     --------
     >>> import numpy as np
-    >>> lq = np.zeros((1, 3, 2)); va = np.ones((1, 3, 2))
-    >>> out, kv, mu = numpy_forward(lq, lq, va, np.zeros((1, 2, 2)), np.full((1, 2), -np.inf), 2)
-    >>> out[0, :, -1]
-    array([1., 2., 3.])
+    >>> lq = np.zeros((1, 3, 2))  # equal features: causal attention is a running mean
+    >>> va = np.array([[[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]])  # [v | 1]
+    >>> empty = (np.zeros((1, 2, 2)), np.full((1, 2), -np.inf))
+    >>> out, kv, mu = numpy_forward(lq, lq, va, *empty, 2)
+    >>> out[0, :, 0] / out[0, :, 1]
+    array([0. , 0.5, 1. ])
     """
     arrays = {
         "log_phi_q": log_phi_q,

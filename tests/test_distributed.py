@@ -123,6 +123,22 @@ def test_bidirectional_queries_and_keys_of_different_lengths(client):
     np.testing.assert_allclose(client.compute(out).result(), expected, **FLOAT64)
 
 
+@pytest.mark.parametrize("kind", sorted(la.KINDS))
+def test_every_feature_kind_travels_to_the_workers(client, kind):
+    """The feature map is pickled to the worker processes with all its state
+    (OPRF ``A`` and rebalancing scales included)."""
+    q, k, v, mask = _inputs(64, seed=8)
+    random = la.KINDS[kind][0]
+    fm = la.FeatureMap(D, M if random else D, kind=kind, seed=2, rebalance=kind == "positive")
+    if fm.needs_calibration:
+        fm = fm.calibrate(q, k)
+    expected = la.linear_attention(q, k, v, fm, causal=True, key_mask=mask)
+    out = sequence_parallel_attention(
+        *(_lazy(x, 16) for x in (q, k, v)), fm, causal=True, key_mask=_lazy(mask, 16)
+    )
+    np.testing.assert_allclose(client.compute(out).result(), expected, **FLOAT64)
+
+
 @pytest.mark.parametrize("scheduler", ["sync", "threads"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_default_schedulers_signed_features_and_float32(scheduler, causal):
@@ -252,6 +268,8 @@ def test_bad_input_is_named():
         batch_parallel_attention(q[..., :4], q[..., :4], q, FM)
     with pytest.raises(TypeError, match="key_mask must be a boolean array"):
         batch_parallel_attention(q, q, q, FM, key_mask=q[..., 0])
+    with pytest.raises(ValueError, match="statistics fixed in advance"):
+        batch_parallel_attention(q, q, q, la.FeatureMap(D, M, kind="oprf"))
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
         batch_parallel_attention(q, q, q, FM, chunk_size=0)
     rows = q[0, 0]
