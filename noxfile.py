@@ -82,6 +82,14 @@ def dask(session: nox.Session) -> None:
 def kernels(session: nox.Session) -> None:
     """The Numba CPU kernels against the array-API path (NumPy and torch CPU)."""
     _test(session, "numpy,numpy_readonly,torch", ".[numba]", TORCH)
+    session.run(
+        "pytest",
+        "--doctest-modules",
+        "linattn_numba/cpu.py",
+        "linattn_numba/_torch.py",
+        "-p",
+        "no:cacheprovider",
+    )
 
 
 @nox.session(python=PYTHON)
@@ -114,7 +122,7 @@ def docs(session: nox.Session) -> None:
     The ``linattn`` command (``cli`` extra) is tested here, where its dependencies are
     installed; the README's examples run in ``tests/test_cli.py`` too.
     """
-    session.install("-e", ".[numba,cli]", "-r", "docs/requirements.txt")
+    session.install("-e", ".[numba,cli,dask]", "-r", "docs/requirements.txt")
     session.run("pytest", "tests/test_cli.py", "-p", "no:cacheprovider")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     session.run(

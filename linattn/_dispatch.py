@@ -143,6 +143,8 @@ def fused_causal(
     kind = getattr(feature_map, "kind", None)
     if resolve_backend(backend) == "array_api" or kind not in ("positive", "hyperbolic"):
         return None
+    if getattr(feature_map, "rebalance_scales", None) is not None:
+        return None  # rebalanced queries and keys differ: the fused pass does not take them
     if type(q).__module__.split(".")[0] != "numpy":
         return None
     try:

@@ -212,11 +212,59 @@ def linear_attention(
                 "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
             )
         feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
+    lk = info.key_length
+    if state is None:
+        like = xp.zeros((0,), dtype=work, device=info.device)
+        kv, log_shift = empty_state(xp, batch, m, info.value_dim, like)
+    else:
+        kv = xp.broadcast_to(state.kv, (*batch, m, info.value_dim + 1))
+        log_shift = xp.broadcast_to(state.log_shift, (*batch, m))
+
+    # One compiled pass (features included, no L x m array) where the kernels offer it.
+    fused = (
+        _dispatch.fused_causal(
+            q, k, v, feature_map, key_mask, kv, log_shift, chunk_size=chunk_size, backend=backend
+        )
+        if causal
+        else None
+    )
+    if fused is not None:
+        normalised, kv, log_shift = fused
+    else:
+        normalised, kv, log_shift = _features_then_attention(
+            q, k, v, feature_map, info, batch, key_mask, kv, log_shift, causal, chunk_size, backend
+        )
+    out = xp.astype(normalised, info.dtype)
+    if not return_state:
+        return out
+    previous = 0 if state is None else state.num_tokens
+    return out, LinearAttentionState(
+        kv=kv, log_shift=log_shift, feature_map=feature_map.fingerprint, num_tokens=previous + lk
+    )
+
+
+def _features_then_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    info: Any,
+    batch: tuple[int, ...],
+    key_mask: Array | None,
+    kv: Array,
+    log_shift: Array,
+    causal: bool,
+    chunk_size: int,
+    backend: str | None,
+) -> tuple[Array, Array, Array]:
+    """Log-features in the array API, then the kernel or array-API attention; normalised."""
+    xp = info.xp
+    m = feature_map.num_features
     log_phi_q, sign_q = feature_map.signed_log_features(q, role="query")
     log_phi_k, sign_k = feature_map.signed_log_features(k, role="key")
     if key_mask is not None:
         log_phi_k = xp.where(key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
-    values_aug = xp.astype(v, work)
+    values_aug = xp.astype(v, kv.dtype)
     values_aug = xp.concat([values_aug, xp.ones_like(values_aug[..., :1])], axis=-1)
 
     def full(x: Array | None, length: int, width: int) -> Array | None:
@@ -226,12 +274,6 @@ def linear_attention(
     log_phi_q, sign_q = full(log_phi_q, lq, m), full(sign_q, lq, m)
     log_phi_k, sign_k = full(log_phi_k, lk, m), full(sign_k, lk, m)
     values_aug = full(values_aug, lk, info.value_dim + 1)
-    if state is None:
-        kv, log_shift = empty_state(xp, batch, m, info.value_dim, log_phi_q)
-    else:
-        kv = xp.broadcast_to(state.kv, (*batch, m, info.value_dim + 1))
-        log_shift = xp.broadcast_to(state.log_shift, (*batch, m))
-
     if causal:
         outputs_aug, kv, log_shift = _dispatch.causal(
             xp,
@@ -249,13 +291,7 @@ def linear_attention(
         outputs_aug = causal_path.bidirectional(
             xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift
         )
-    out = xp.astype(causal_path.normalise(xp, outputs_aug), info.dtype)
-    if not return_state:
-        return out
-    previous = 0 if state is None else state.num_tokens
-    return out, LinearAttentionState(
-        kv=kv, log_shift=log_shift, feature_map=feature_map.fingerprint, num_tokens=previous + lk
-    )
+    return causal_path.normalise(xp, outputs_aug), kv, log_shift
 
 
 def favor_attention(

@@ -719,7 +719,7 @@ def favor_causal(
         return np.ascontiguousarray(full, dtype=dtype)
 
     qf, kf, vf = flat(q, (length, head_dim)), flat(k, (length, head_dim)), flat(v, (length, dv))
-    mask = np.ones((1, 1), bool) if key_mask is None else key_mask
+    mask = np.ones(length, bool) if key_mask is None else key_mask
     maskf = np.ascontiguousarray(np.broadcast_to(mask, (*batch, length)).reshape(-1, length))
     state = np.array(np.broadcast_to(kv, (*batch, m, dv + 1)), dtype, order="C", copy=True)
     state = state.reshape(-1, m, dv + 1)

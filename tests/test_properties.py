@@ -124,7 +124,7 @@ def test_invalid_inputs_raise_documented_errors(case, corruption, bad_int) -> No
         v = np.concatenate([v, v[..., :1, :]], axis=-2)
     elif corruption == "causal_lengths":
         kwargs["causal"] = True
-        q = np.concatenate([q, q[..., :1, :]], axis=-2)
+        q = np.concatenate([k, k[..., :1, :]], axis=-2)  # one query more than keys
     elif corruption == "chunk_size":
         kwargs["chunk_size"] = bad_int
     elif corruption == "mask_length":
