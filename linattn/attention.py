@@ -243,6 +243,43 @@ def linear_attention(
     )
 
 
+def attention_operands(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    info: Any,
+    batch: tuple[int, ...],
+    key_mask: Array | None,
+    work: Any,
+) -> tuple[Array, Array | None, Array, Array | None, Array]:
+    """What the attention algorithms take, broadcast to ``batch``.
+
+    ``(log phi(Q), sign, log phi(K), sign, [V | 1])``: masked keys get log-feature
+    ``-inf`` (masks act on key features, never on raw keys or only on values).
+    """
+    xp = info.xp
+    m = feature_map.num_features
+    log_phi_q, sign_q = feature_map.signed_log_features(q, role="query")
+    log_phi_k, sign_k = feature_map.signed_log_features(k, role="key")
+    if key_mask is not None:
+        log_phi_k = xp.where(key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
+    values_aug = xp.astype(v, work)
+    values_aug = xp.concat([values_aug, xp.ones_like(values_aug[..., :1])], axis=-1)
+
+    def full(x: Array | None, length: int, width: int) -> Array | None:
+        return None if x is None else xp.broadcast_to(x, (*batch, length, width))
+
+    lq, lk = info.query_length, info.key_length
+    return (
+        full(log_phi_q, lq, m),
+        full(sign_q, lq, m),
+        full(log_phi_k, lk, m),
+        full(sign_k, lk, m),
+        full(values_aug, lk, info.value_dim + 1),
+    )
+
+
 def _features_then_attention(
     q: Array,
     k: Array,
@@ -259,21 +296,9 @@ def _features_then_attention(
 ) -> tuple[Array, Array, Array]:
     """Log-features in the array API, then the kernel or array-API attention; normalised."""
     xp = info.xp
-    m = feature_map.num_features
-    log_phi_q, sign_q = feature_map.signed_log_features(q, role="query")
-    log_phi_k, sign_k = feature_map.signed_log_features(k, role="key")
-    if key_mask is not None:
-        log_phi_k = xp.where(key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
-    values_aug = xp.astype(v, kv.dtype)
-    values_aug = xp.concat([values_aug, xp.ones_like(values_aug[..., :1])], axis=-1)
-
-    def full(x: Array | None, length: int, width: int) -> Array | None:
-        return None if x is None else xp.broadcast_to(x, (*batch, length, width))
-
-    lq, lk = info.query_length, info.key_length
-    log_phi_q, sign_q = full(log_phi_q, lq, m), full(sign_q, lq, m)
-    log_phi_k, sign_k = full(log_phi_k, lk, m), full(sign_k, lk, m)
-    values_aug = full(values_aug, lk, info.value_dim + 1)
+    log_phi_q, sign_q, log_phi_k, sign_k, values_aug = attention_operands(
+        q, k, v, feature_map, info, batch, key_mask, kv.dtype
+    )
     if causal:
         outputs_aug, kv, log_shift = _dispatch.causal(
             xp,

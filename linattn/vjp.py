@@ -16,6 +16,7 @@ exact.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from linattn import causal as causal_path
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype, from_host
 from linattn._xp import safe_shift as _safe
+from linattn.attention import attention_operands
 from linattn.features import RELU_EPSILON, FeatureMap
 from linattn.state import absorb_keys, empty_state
 
@@ -94,7 +96,7 @@ def linear_attention_vjp(
     _dispatch.resolve_backend(backend)
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)
-    batch, lq, lk, dv = info.batch_shape, info.query_length, info.key_length, info.value_dim
+    batch, lq, dv = info.batch_shape, info.query_length, info.value_dim
     if tuple(grad_output.shape) != (*batch, lq, dv):
         raise ValueError(
             f"grad_output must have the output's shape {(*batch, lq, dv)}; got "
@@ -102,20 +104,18 @@ def linear_attention_vjp(
         )
     work = compute_dtype(xp, info.dtype)
     m = feature_map.num_features
-
-    log_phi_q, sign_q = feature_map.signed_log_features(q)
-    log_phi_k, sign_k = feature_map.signed_log_features(k)
-    if key_mask is not None:
-        log_phi_k = xp.where(key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
-    values = xp.astype(v, work)
-    values_aug = xp.concat([values, xp.ones_like(values[..., :1])], axis=-1)
-
-    def full(x: Array | None, length: int, width: int) -> Array | None:
-        return None if x is None else xp.broadcast_to(x, (*batch, length, width))
-
-    log_phi_q, sign_q = full(log_phi_q, lq, m), full(sign_q, lq, m)
-    log_phi_k, sign_k = full(log_phi_k, lk, m), full(sign_k, lk, m)
-    values_aug = full(values_aug, lk, dv + 1)
+    if feature_map.needs_calibration:
+        if causal:
+            raise ValueError(
+                f"causal attention needs the {feature_map.kind!r} feature map's query/key "
+                "statistics fixed in advance: expected a map from feature_map.calibrate(q, k) "
+                "or with_statistics(...), got an uncalibrated one"
+            )
+        # The same statistics linear_attention uses; constants for gradients there too.
+        feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
+    log_phi_q, sign_q, log_phi_k, sign_k, values_aug = attention_operands(
+        q, k, v, feature_map, info, batch, key_mask, work
+    )
     kv, log_shift = empty_state(xp, batch, m, dv, log_phi_q)
 
     if causal:
@@ -160,8 +160,8 @@ def linear_attention_vjp(
             d_lq, d_lk, d_va = causal_vjp(
                 xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, d_outputs_aug, chunk_size
             )
-    dq = _feature_vjp(xp, feature_map, q, d_lq)
-    dk = _feature_vjp(xp, feature_map, k, d_lk)
+    dq = _feature_vjp(xp, feature_map, q, d_lq, "query")
+    dk = _feature_vjp(xp, feature_map, k, d_lk, "key")
     d_values = d_va[..., :dv]
     return (
         _sum_to(xp, dq, tuple(q.shape), q.dtype),
@@ -342,8 +342,13 @@ def _chunk_vjp(
     return (d_lq, d_lk, d_va), d_state
 
 
-def _feature_vjp(xp: Namespace, feature_map: FeatureMap, x: Array, d_log: Array) -> Array:
-    """``dx`` from the cotangent of ``feature_map.signed_log_features(x)[0]``."""
+def _feature_vjp(
+    xp: Namespace, feature_map: FeatureMap, x: Array, d_log: Array, role: str
+) -> Array:
+    """``dx`` from the cotangent of ``feature_map.signed_log_features(x, role=role)[0]``.
+
+    OPRF's ``A`` and the rebalancing ``Psi`` are constants (statistics, not parameters).
+    """
     kind = feature_map.kind
     x = xp.astype(x, d_log.dtype)
     zero = constant(xp, 0.0, d_log)
@@ -352,16 +357,22 @@ def _feature_vjp(xp: Namespace, feature_map: FeatureMap, x: Array, d_log: Array)
         return xp.where(x > 0, d_log / (one + xp.where(x > 0, x, zero)), d_log)
     if kind == "relu":  # log(max(x, 0) + eps)
         return xp.where(x > 0, d_log / (xp.maximum(x, zero) + RELU_EPSILON), zero)
-    root = math.sqrt(feature_map.scale)
-    x = x * root
+    # x_s = sqrt(scale) * Psi^(+-1) * x: the chain rule multiplies by the same factor.
+    factor: Any = math.sqrt(feature_map.scale)
+    psi = feature_map.rebalance_scales
+    if psi is not None:
+        psi_x = from_host(xp, psi, dtype=x.dtype, device=_device(x))
+        factor = factor * (psi_x if role == "query" else 1.0 / psi_x)
+    x = x * factor
     projection = feature_map._projection_like(xp, x)
     proj = xp.matmul(x, xp.matrix_transpose(projection))
     total = xp.sum(d_log, axis=-1, keepdims=True)
-    if kind == "positive":  # w^T x - |x|^2 / 2
-        d_proj, d_half_norm = d_log, total
-    elif kind == "hyperbolic":  # [w^T x, -w^T x] - |x|^2 / 2
+    slope = 1.0 if feature_map.oprf_a is None else math.sqrt(1.0 - 4.0 * feature_map.oprf_a)
+    if kind in ("positive", "oprf"):  # B w^T x (+ A|w|^2) - |x|^2 / 2
+        d_proj, d_half_norm = slope * d_log, total
+    elif kind in ("hyperbolic", "hyperbolic_oprf"):  # [B w^T x, -B w^T x] - |x|^2 / 2
         half = proj.shape[-1]
-        d_proj, d_half_norm = d_log[..., :half] - d_log[..., half:], total
+        d_proj, d_half_norm = slope * (d_log[..., :half] - d_log[..., half:]), total
     elif kind == "random_relu":  # log(relu(w^T x) + eps)
         d_proj = xp.where(proj > 0, d_log / (xp.maximum(proj, zero) + RELU_EPSILON), zero)
         d_half_norm = zero
@@ -373,7 +384,7 @@ def _feature_vjp(xp: Namespace, feature_map: FeatureMap, x: Array, d_log: Array)
         d_proj, d_half_norm = d_cos + d_sin, -total
     else:
         raise ValueError(f"feature_map.kind {kind!r} has no vector-Jacobian product")
-    return root * (xp.matmul(d_proj, projection) - x * d_half_norm)
+    return factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
 
 
 def _sum_to(xp: Namespace, grad: Array, shape: tuple[int, ...], dtype: object) -> Array:

@@ -9,6 +9,8 @@ from conftest import Backend, assert_close
 import linattn as la
 
 KINDS = ["positive", "hyperbolic", "random_relu", "trigonometric", "elu", "relu"]
+# Statistics-based maps: (kind, rebalance); causal use needs them calibrated first.
+CALIBRATED = [("oprf", False), ("hyperbolic_oprf", True), ("positive", True)]
 
 
 def _inputs(seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -45,6 +47,21 @@ def test_vjp_equals_torch_autograd(kind: str, causal: bool, backend_name: str) -
     )
     for name, actual, ref in zip("qkv", got, expected, strict=True):
         assert actual.shape == ref.shape and actual.dtype == ref.dtype, name
+        np.testing.assert_allclose(actual, ref, rtol=1e-10, atol=1e-12 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("kind", "rebalance"), CALIBRATED)
+def test_vjp_of_calibrated_maps_equals_torch_autograd(
+    kind: str, rebalance: bool, causal: bool
+) -> None:
+    q, k, v, mask, g = _inputs()
+    fm = la.FeatureMap(8, 16, kind=kind, rebalance=rebalance, seed=0)
+    if causal:
+        fm = fm.calibrate(q, k)
+    expected = _autograd(q, k, v, mask, g, feature_map=fm, causal=causal, chunk_size=8)
+    got = la.linear_attention_vjp(q, k, v, fm, g, causal=causal, key_mask=mask, chunk_size=8)
+    for actual, ref in zip(got, expected, strict=True):
         np.testing.assert_allclose(actual, ref, rtol=1e-10, atol=1e-12 * np.abs(ref).max())
 
 
