@@ -30,8 +30,14 @@ TORCH = "torch==2.13.0"
 TEST = ("pytest>=8", "hypothesis>=6.100", "array-api-strict>=2.2")
 
 
-def _test(session: nox.Session, backends: str, *extra: str, env: dict[str, str] | None = None):
-    session.install("-e", ".", *TEST, *extra)
+def _test(
+    session: nox.Session,
+    backends: str,
+    *extra: str,
+    extras: str = "",
+    env: dict[str, str] | None = None,
+) -> None:
+    session.install("-e", f".[{extras}]" if extras else ".", *TEST, *extra)
     session.run(
         "pytest",
         *session.posargs,
@@ -81,7 +87,7 @@ def dask(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def kernels(session: nox.Session) -> None:
     """The Numba CPU kernels against the array-API path (NumPy and torch CPU)."""
-    _test(session, "numpy,numpy_readonly,torch", ".[numba]", TORCH)
+    _test(session, "numpy,numpy_readonly,torch", TORCH, extras="numba")
     session.run(
         "pytest",
         "--doctest-modules",
