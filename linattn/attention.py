@@ -295,12 +295,31 @@ def _features_then_attention(
     backend: str | None,
 ) -> tuple[Array, Array, Array]:
     """Log-features in the array API, then the kernel or array-API attention; normalised."""
-    xp = info.xp
-    log_phi_q, sign_q, log_phi_k, sign_k, values_aug = attention_operands(
-        q, k, v, feature_map, info, batch, key_mask, kv.dtype
+    operands = attention_operands(q, k, v, feature_map, info, batch, key_mask, kv.dtype)
+    outputs_aug, kv, log_shift = attend(
+        info.xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, backend=backend
     )
+    return causal_path.normalise(info.xp, outputs_aug), kv, log_shift
+
+
+def attend(
+    xp: Any,
+    operands: tuple[Array, Array | None, Array, Array | None, Array],
+    kv: Array,
+    log_shift: Array,
+    *,
+    causal: bool,
+    chunk_size: int,
+    backend: str | None,
+) -> tuple[Array, Array, Array]:
+    """Unnormalised ``[numerator | denominator]`` and the state after the keys.
+
+    Causal attention goes through :mod:`linattn._dispatch` (kernel or array API);
+    bidirectional attention is one pass in the array API.
+    """
+    log_phi_q, sign_q, log_phi_k, sign_k, values_aug = operands
     if causal:
-        outputs_aug, kv, log_shift = _dispatch.causal(
+        return _dispatch.causal(
             xp,
             log_phi_q,
             sign_q,
@@ -312,11 +331,10 @@ def _features_then_attention(
             chunk_size=chunk_size,
             backend=backend,
         )
-    else:
-        outputs_aug = causal_path.bidirectional(
-            xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift
-        )
-    return causal_path.normalise(xp, outputs_aug), kv, log_shift
+    outputs_aug = causal_path.bidirectional(
+        xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift
+    )
+    return outputs_aug, kv, log_shift
 
 
 def favor_attention(

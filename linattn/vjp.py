@@ -21,11 +21,10 @@ from typing import Any
 import numpy as np
 
 from linattn import _dispatch
-from linattn import causal as causal_path
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype, from_host
 from linattn._xp import safe_shift as _safe
-from linattn.attention import attention_operands
+from linattn.attention import attend, attention_operands
 from linattn.features import RELU_EPSILON, FeatureMap
 from linattn.state import absorb_keys, empty_state
 
@@ -118,23 +117,10 @@ def linear_attention_vjp(
     )
     kv, log_shift = empty_state(xp, batch, m, dv, log_phi_q)
 
-    if causal:
-        outputs_aug, _, _ = _dispatch.causal(
-            xp,
-            log_phi_q,
-            sign_q,
-            log_phi_k,
-            sign_k,
-            values_aug,
-            kv,
-            log_shift,
-            chunk_size=chunk_size,
-            backend=backend,
-        )
-    else:
-        outputs_aug = causal_path.bidirectional(
-            xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift
-        )
+    operands = (log_phi_q, sign_q, log_phi_k, sign_k, values_aug)
+    outputs_aug, _, _ = attend(
+        xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, backend=backend
+    )
     d_outputs_aug = _normalise_vjp(xp, outputs_aug, xp.astype(grad_output, work))
 
     if not causal:
