@@ -30,7 +30,9 @@ for any function of the state that is invariant to the shift, like later normali
 outputs), because numerator and denominator share every shift.  Chunk states are
 recomputed forward, never rebuilt by subtraction (``MATH.md`` section 5): all of a
 head's chunk states are kept when they fit in :data:`STORE_BYTES`, else ``sqrt(N)``
-checkpoints are, and each segment is recomputed from its checkpoint.
+checkpoints are, and each segment is recomputed from its checkpoint.  Key features
+are recomputed per chunk (mostly from ``psi``, see :func:`_key_features`), not
+stored, and each worker thread reuses one set of buffers for all its heads.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def _jit(parallel: bool = False) -> Any:
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
-#: Per head, the backward keeps every chunk's state and key features up to this many
-#: bytes; beyond, it keeps ``sqrt(N)`` checkpoints and recomputes (one more state pass).
+#: Per worker thread, the backward keeps every chunk's state up to this many bytes;
+#: beyond, it keeps ``sqrt(N)`` checkpoints and recomputes (one more state pass).
 STORE_BYTES = 48 * 2**20
 
 
@@ -208,50 +210,70 @@ def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights):
         run[i] = best if np.isfinite(best) else zero
         w[i] = fast_exp(floor - run[i]) if has_state else zero
     for i in range(c):
+        top = run[i]  # (a local: loads inside the loops would stop vectorisation)
         for j in range(i + 1):
-            weights[i, j] = fast_exp(g[j] - run[i])
+            weights[i, j] = fast_exp(g[j] - top)
         for j in range(i + 1, c):
             weights[i, j] = zero
 
 
 @_jit()
-def _absorb(lk, va, kv, mu, ms, phi, shift, decay, product, psi, g, reuse):
-    """``(S, mu) <- (exp(ms - mu') S + exp(l(K) - mu')^T [V|1], mu')``; leaves ``phi``.
+def _shift_between(mu, top, ms, shift, decay):
+    """Shifts of one chunk's key absorption, from ``mu`` before it to ``mu' = top`` after:
+    ``shift = mu'`` where finite, else 0, and ``decay = exp(ms - shift)`` (0 where ``mu``
+    has seen no key).  Returns whether ``mu`` had seen every feature."""
+    zero = ms[0] - ms[0]
+    full = True
+    for r in range(mu.shape[0]):
+        safe = top[r] if np.isfinite(top[r]) else zero
+        if np.isfinite(mu[r]):
+            decay[r] = fast_exp(ms[r] - safe)
+        else:
+            decay[r] = zero
+            full = False
+        shift[r] = safe
+    return full
 
-    With ``reuse``, keys that raise no feature's maximum (``G_j <= 0``) of a state that
-    has seen every feature take ``phi_j = psi_j exp(G_j) exp(ms - mu')`` from the
+
+@_jit()
+def _key_features(lk, shift, decay, psi, g, reuse, phi):
+    """``phi_j = exp(l(k_j) - shift)``, the keys as the state after the chunk holds them.
+
+    With ``reuse`` (the state before the chunk had seen every feature), keys that raise
+    no feature's maximum (``G_j <= 0``) take ``phi_j = psi_j exp(G_j) decay`` from the
     chunk's ``psi`` instead of new exponentials: every factor is at most 1, so it is
     exact up to rounding and underflows only where ``phi`` itself does.
     """
     c, m = lk.shape
-    zero = ms[0] - ms[0]
-    full = True
-    for r in range(m):
-        shift[r] = mu[r]
-        if not np.isfinite(mu[r]):
-            full = False
     for j in range(c):
-        for r in range(m):
-            if lk[j, r] > shift[r]:
-                shift[r] = lk[j, r]
-    for r in range(m):
-        top = shift[r]
-        safe = top if np.isfinite(top) else zero
-        decay[r] = fast_exp(ms[r] - safe) if np.isfinite(mu[r]) else zero
-        mu[r] = top
-        shift[r] = safe
-    for j in range(c):
-        if reuse and full and g[j] <= 0:
+        if reuse and g[j] <= 0:
             key_scale = fast_exp(g[j])
             for r in range(m):
                 phi[j, r] = psi[j, r] * key_scale * decay[r]
         else:
             for r in range(m):
                 phi[j, r] = fast_exp(lk[j, r] - shift[r])
+
+
+@_jit()
+def _absorb(lk, va, kv, mu, ms, phi, top, shift, decay, product, psi, g, reuse):
+    """``(S, mu) <- (exp(ms - mu') S + exp(l(K) - mu')^T [V|1], mu')``; leaves ``phi``
+    (:func:`_key_features`; ``reuse`` needs the chunk's ``psi`` and ``G``)."""
+    c, m = lk.shape
+    for r in range(m):
+        top[r] = mu[r]
+    for j in range(c):
+        for r in range(m):
+            x, best = lk[j, r], top[r]
+            top[r] = x if x > best else best
+    full = _shift_between(mu, top, ms, shift, decay)
+    _key_features(lk, shift, decay, psi, g, reuse and full, phi)
     np.dot(phi.T, va, product)
     for r in range(m):
+        scale = decay[r]
+        mu[r] = top[r]
         for e in range(kv.shape[1]):
-            kv[r, e] = decay[r] * kv[r, e] + product[r, e]
+            kv[r, e] = scale * kv[r, e] + product[r, e]
 
 
 @_jit()
@@ -262,7 +284,7 @@ def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, pro
     u, psi, phi = work[0][:c], work[1][:c], work[2][:c]
     weights = square[0][: c * c].reshape(c, c)
     intra = square[1][: c * c].reshape(c, c)
-    ms, shift, decay = vecs[0][:m], vecs[1][:m], vecs[2][:m]
+    ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
     g, run, w = vecs[3][:c], vecs[4][:c], vecs[5][:c]
     has_state = _safe_shift(mu, ms)
     _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
@@ -273,9 +295,10 @@ def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, pro
     np.dot(u, kv, state_out[:c])
     np.dot(intra, va, block)
     for i in range(c):
+        weight = w[i]
         for e in range(d):
-            block[i, e] += w[i] * state_out[i, e]
-    _absorb(lk, va, kv, mu, ms, phi, shift, decay, product, psi, g, True)
+            block[i, e] += weight * state_out[i, e]
+    _absorb(lk, va, kv, mu, ms, phi, top, shift, decay, product, psi, g, True)
 
 
 @_jit()
@@ -283,7 +306,7 @@ def _workspace(chunk, m, d, dtype):
     return (
         np.empty((3, chunk, m), dtype),
         np.empty((2, chunk * chunk), dtype),
-        np.empty((6, max(m, chunk)), dtype),
+        np.empty((7, max(m, chunk)), dtype),
         np.empty((chunk, d), dtype),
         np.empty((m, d), dtype),
     )
@@ -303,79 +326,80 @@ def _forward(lq, lk, va, kv, mu, chunk, out):
 
 
 @_jit()
-def _log_features(x, projection, consts, hyperbolic, scaled, proj, out):
+def _log_features(x, projection, consts, hyperbolic, proj, out):
     """``FeatureMap.signed_log_features`` for "positive"/"hyperbolic" kinds, one block.
 
-    ``consts = [sqrt(scale), log(m) / 2]`` in the compute dtype; same operations, in
-    the same order, as the array-API code.
+    ``projection`` is the feature map's, times ``sqrt(scale)``; ``consts = [scale / 2,
+    log(m) / 2]`` in the compute dtype.  ``l(x) = +-(sqrt(scale) x) W^T - scale |x|^2 / 2
+    - log(m) / 2``: the array-API formula, rounded differently (within a few ulp).
+    ``proj`` is scratch for the hyperbolic kind (the positive kind projects into ``out``).
     """
     c, d = x.shape
     rows = projection.shape[0]
+    half_scale, log_root_m = consts[0], consts[1]  # locals, so that the loops vectorise
+    target = proj if hyperbolic else out
+    np.dot(x, projection.T, target)
     for i in range(c):
-        for e in range(d):
-            scaled[i, e] = x[i, e] * consts[0]
-    np.dot(scaled, projection.T, proj)
-    for i in range(c):
-        half_norm = scaled[i, 0] * scaled[i, 0]
+        norm = x[i, 0] * x[i, 0]
         for e in range(1, d):
-            half_norm += scaled[i, e] * scaled[i, e]
-        half_norm = half_norm / 2
+            norm += x[i, e] * x[i, e]
+        offset = norm * half_scale + log_root_m
         for r in range(rows):
-            out[i, r] = proj[i, r] - half_norm - consts[1]
+            out[i, r] = target[i, r] - offset
         if hyperbolic:
             for r in range(rows):
-                out[i, rows + r] = -proj[i, r] - half_norm - consts[1]
+                out[i, rows + r] = -target[i, r] - offset
+
+
+#: The fused pass computes features for this many tokens at a time (whole chunks): the
+#: projection is a ``(FEATURE_BLOCK x d) @ (d x m)`` product, which BLAS runs about twice
+#: as fast as one chunk's ``(64 x d) @ (d x m)`` (measured, one thread, d = 64, m = 256).
+FEATURE_BLOCK = 256
 
 
 @_jit(parallel=True)
 def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out):
-    """Features, causal attention and normalisation per chunk: no ``L x m`` array anywhere."""
-    batch, length, head_dim = q.shape
+    """Features, causal attention and normalisation per block: no ``L x m`` array anywhere."""
+    batch, length, _ = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
     rows = projection.shape[0]
     dtype = q.dtype
+    span = chunk * max(1, FEATURE_BLOCK // chunk)
     for b in prange(batch):
         work, square, vecs, state_out, product = _workspace(chunk, m, dv + 1, dtype)
-        scaled = np.empty((chunk, head_dim), dtype)
-        proj = np.empty((chunk, rows), dtype)
-        lq = np.empty((chunk, m), dtype)
-        lk = np.empty((chunk, m), dtype)
-        va = np.empty((chunk, dv + 1), dtype)
+        proj = np.empty((span if hyperbolic else 0, rows), dtype)
+        lq = np.empty((span, m), dtype)
+        lk = np.empty((span, m), dtype)
+        va = np.empty((span, dv + 1), dtype)
         block = np.empty((chunk, dv + 1), dtype)
-        for t0 in range(0, length, chunk):
-            t1 = min(t0 + chunk, length)
-            c = t1 - t0
-            _log_features(
-                q[b][t0:t1], projection, consts, hyperbolic, scaled[:c], proj[:c], lq[:c]
-            )
-            _log_features(
-                k[b][t0:t1], projection, consts, hyperbolic, scaled[:c], proj[:c], lk[:c]
-            )
-            for i in range(c):
-                if not mask[b, t0 + i]:
+        for s0 in range(0, length, span):
+            s1 = min(s0 + span, length)
+            n = s1 - s0
+            _log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
+            _log_features(k[b][s0:s1], projection, consts, hyperbolic, proj[:n], lk[:n])
+            for i in range(n):
+                if not mask[b, s0 + i]:
                     for r in range(m):
                         lk[i, r] = -np.inf
                 for e in range(dv):
-                    va[i, e] = v[b, t0 + i, e]
+                    va[i, e] = v[b, s0 + i, e]
                 va[i, dv] = 1
-            _chunk_forward(
-                lq[:c],
-                lk[:c],
-                va[:c],
-                kv[b],
-                mu[b],
-                block[:c],
-                work,
-                square,
-                vecs,
-                state_out,
-                product,
-            )
-            for i in range(c):
-                den = block[i, dv]
-                for e in range(dv):
-                    out[b, t0 + i, e] = block[i, e] / den if den != 0 else den
+            for t0 in range(0, n, chunk):
+                t1 = min(t0 + chunk, n)
+                c = t1 - t0
+                _chunk_forward(
+                    lq[t0:t1], lk[t0:t1], va[t0:t1], kv[b], mu[b], block[:c],
+                    work, square, vecs, state_out, product,
+                )  # fmt: skip
+                for i in range(c):
+                    den = block[i, dv]
+                    if den != 0:
+                        for e in range(dv):
+                            out[b, s0 + t0 + i, e] = block[i, e] / den
+                    else:
+                        for e in range(dv):
+                            out[b, s0 + t0 + i, e] = den
 
 
 # -- backward -------------------------------------------------------------------------
@@ -383,21 +407,23 @@ def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk,
 
 @_jit()
 def _chunk_backward(
-    lq, lk, va, dout, kv, mu, mu_next, phi, ds, dlq, dlk, dva, rows, vecs, square, scaled, product
+    lq, lk, va, dout, kv, mu, mu_next, ds, dlq, dlk, dva, rows, vecs, square, scaled, product
 ):
-    """Gradients of one chunk given the state before it and ``dS`` after it; updates ``ds``."""
+    """Gradients of one chunk given the states before (``kv``, ``mu``) and after
+    (``mu_next``) it and ``dS`` after it; updates ``ds`` to ``dS`` before it."""
     c, m = lq.shape
     d = va.shape[1]
-    u, psi, du, dpsi = rows[0][:c], rows[1][:c], rows[2][:c], rows[3][:c]
-    ms, decay = vecs[0], vecs[1]
-    g, run, w = vecs[2][:c], vecs[3][:c], vecs[4][:c]
+    u, psi, du, dpsi, phi = rows[0][:c], rows[1][:c], rows[2][:c], rows[3][:c], rows[4][:c]
+    ms, decay, shift = vecs[0][:m], vecs[1][:m], vecs[2][:m]
+    g, run, w = vecs[3][:c], vecs[4][:c], vecs[5][:c]
     weights = square[0][: c * c].reshape(c, c)
     intra = square[1][: c * c].reshape(c, c)
     paired = square[2][: c * c].reshape(c, c)
     scaled = scaled[:c]
-    zero = ms[0] - ms[0]
     has_state = _safe_shift(mu, ms)
     _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
+    full = _shift_between(mu, mu_next, ms, shift, decay)
+    _key_features(lk, shift, decay, psi, g, full, phi)
     np.dot(u, psi.T, intra)
     np.dot(dout, va.T, paired)
     for i in range(c):
@@ -408,8 +434,9 @@ def _chunk_backward(
     np.dot(dout, kv.T, du)
     np.dot(paired, psi, dpsi)
     for i in range(c):
+        weight = w[i]
         for r in range(m):
-            dlq[i, r] = u[i, r] * (w[i] * du[i, r] + dpsi[i, r])
+            dlq[i, r] = u[i, r] * (weight * du[i, r] + dpsi[i, r])
     # d l(k) = psi * (P^T u) + phi * ([V|1] dS^T)
     np.dot(paired.T, u, dpsi)
     np.dot(va, ds.T, du)
@@ -424,101 +451,113 @@ def _chunk_backward(
             dva[j, e] += scaled[j, e]
     # dS_n = decay dS_{n+1} + u^T (w dO)
     for i in range(c):
+        weight = w[i]
         for e in range(d):
-            scaled[i, e] = w[i] * dout[i, e]
+            scaled[i, e] = weight * dout[i, e]
     np.dot(u.T, scaled, product)
     for r in range(m):
-        shift = mu_next[r] if np.isfinite(mu_next[r]) else zero
-        decay[r] = fast_exp(ms[r] - shift) if np.isfinite(mu[r]) else zero
+        scale = decay[r]
         for e in range(d):
-            ds[r, e] = decay[r] * ds[r, e] + product[r, e]
+            ds[r, e] = scale * ds[r, e] + product[r, e]
 
 
 @_jit()
-def _head_backward(lq, lk, va, kv0, mu0, chunk, dout, dkv_out, dlq, dlk, dva, dkv, store_bytes):
-    """One head: checkpoint states, then recompute each segment forward and scan back."""
+def _head_backward(
+    lq, lk, va, kv0, mu0, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu, check_kv,
+    check_mu, work,
+):  # fmt: skip
+    """One head: checkpoint states, then recompute each segment forward and scan back.
+
+    ``seg_kv`` holds the states of one segment of chunks, ``check_kv`` those at segment
+    starts (one segment, no checkpoints, when every chunk's state fits); ``work`` is
+    :func:`_backward_workspace`.
+    """
     length, m = lq.shape
-    d = va.shape[1]
-    dtype = lq.dtype
     n_chunks = (length + chunk - 1) // chunk
-    # Keep every chunk's state (and features) when that is small, else sqrt(N) checkpoints.
-    stored = n_chunks * (m * d + chunk * m) * lq.itemsize
-    per_segment = n_chunks if stored <= store_bytes else math.ceil(math.sqrt(n_chunks))
+    per_segment = seg_kv.shape[0]
     n_segments = (n_chunks + per_segment - 1) // per_segment
-    check_kv = np.empty((n_segments, m, d), dtype)
-    check_mu = np.empty((n_segments, m), dtype)
-    check_kv[0] = kv0
-    check_mu[0] = mu0
-    seg_kv = np.empty((per_segment, m, d), dtype)
-    seg_mu = np.empty((per_segment + 1, m), dtype)
-    seg_phi = np.empty((per_segment, chunk, m), dtype)
-    rows = np.empty((4, chunk, m), dtype)
-    vecs = np.empty((5, max(m, chunk)), dtype)
-    state_vecs = np.empty((3, m), dtype)
-    square = np.empty((3, chunk * chunk), dtype)
-    scaled = np.empty((chunk, d), dtype)
-    product = np.empty((m, d), dtype)
-    ms, shift, decay = state_vecs[0], state_vecs[1], state_vecs[2]
-    kv = kv0.copy()
-    mu = mu0.copy()
+    rows, vecs, square, scaled, product = work
+    ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
+    phi = rows[4]
+    kv = check_kv[0]
+    mu = check_mu[0]
+    kv[:] = kv0
+    mu[:] = mu0
     # Pass 1: states at segment starts (checkpoints); none needed for one segment.
     for n in range((n_segments - 1) * per_segment):
         t0, t1 = n * chunk, min(n * chunk + chunk, length)
+        if n % per_segment == 0:
+            s = n // per_segment
+            check_kv[s + 1] = check_kv[s]
+            check_mu[s + 1] = check_mu[s]
+            kv, mu = check_kv[s + 1], check_mu[s + 1]
         _safe_shift(mu, ms)
-        phi = seg_phi[0][: t1 - t0]
-        _absorb(lk[t0:t1], va[t0:t1], kv, mu, ms, phi, shift, decay, product, phi, shift, False)
-        if (n + 1) % per_segment == 0:
-            check_kv[(n + 1) // per_segment] = kv
-            check_mu[(n + 1) // per_segment] = mu
+        c = t1 - t0
+        _absorb(
+            lk[t0:t1], va[t0:t1], kv, mu, ms, phi[:c], top, shift, decay, product, phi, ms, False
+        )
     # Pass 2: segments last to first; recompute their states, then reverse-scan dS.
-    ds = dkv_out.copy()
+    ds = dkv
+    ds[:] = dkv_out
     for s in range(n_segments - 1, -1, -1):
         n0 = s * per_segment
         n1 = min(n_chunks, n0 + per_segment)
-        kv[:] = check_kv[s]
-        mu[:] = check_mu[s]
-        for n in range(n0, n1):
-            t0, t1 = n * chunk, min(n * chunk + chunk, length)
-            seg_kv[n - n0] = kv
-            seg_mu[n - n0] = mu
-            _safe_shift(mu, ms)
-            phi = seg_phi[n - n0][: t1 - t0]
+        seg_mu[0] = check_mu[s]
+        seg_kv[0] = check_kv[s]
+        for n in range(n0, n1 - 1):
+            t0, t1 = n * chunk, n * chunk + chunk
+            i = n - n0
+            seg_kv[i + 1] = seg_kv[i]
+            seg_mu[i + 1] = seg_mu[i]
+            _safe_shift(seg_mu[i + 1], ms)
             _absorb(
-                lk[t0:t1], va[t0:t1], kv, mu, ms, phi, shift, decay, product, phi, shift, False
-            )
-        seg_mu[n1 - n0] = mu
+                lk[t0:t1], va[t0:t1], seg_kv[i + 1], seg_mu[i + 1], ms, phi[:chunk], top,
+                shift, decay, product, phi, ms, False,
+            )  # fmt: skip
+        # mu after the segment's last chunk: its keys' running maximum (no state needed).
+        last = n1 - 1 - n0
+        t0, t1 = (n1 - 1) * chunk, min(n1 * chunk, length)
+        seg_mu[last + 1] = seg_mu[last]
+        for j in range(t0, t1):
+            for r in range(m):
+                x, best = lk[j, r], seg_mu[last + 1, r]
+                seg_mu[last + 1, r] = x if x > best else best
         for n in range(n1 - 1, n0 - 1, -1):
             t0, t1 = n * chunk, min(n * chunk + chunk, length)
             i = n - n0
             _chunk_backward(
-                lq[t0:t1],
-                lk[t0:t1],
-                va[t0:t1],
-                dout[t0:t1],
-                seg_kv[i],
-                seg_mu[i],
-                seg_mu[i + 1],
-                seg_phi[i][: t1 - t0],
-                ds,
-                dlq[t0:t1],
-                dlk[t0:t1],
-                dva[t0:t1],
-                rows,
-                vecs,
-                square,
-                scaled,
-                product,
-            )
-    dkv[:] = ds
+                lq[t0:t1], lk[t0:t1], va[t0:t1], dout[t0:t1], seg_kv[i], seg_mu[i],
+                seg_mu[i + 1], ds, dlq[t0:t1], dlk[t0:t1], dva[t0:t1], rows, vecs, square,
+                scaled, product,
+            )  # fmt: skip
+
+
+@_jit()
+def _backward_workspace(chunk, m, d, dtype):
+    return (
+        np.empty((5, chunk, m), dtype),
+        np.empty((7, max(m, chunk)), dtype),
+        np.empty((3, chunk * chunk), dtype),
+        np.empty((chunk, d), dtype),
+        np.empty((m, d), dtype),
+    )
 
 
 @_jit(parallel=True)
-def _backward(lq, lk, va, kv, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, store_bytes):
-    for b in prange(lq.shape[0]):
-        _head_backward(
-            lq[b], lk[b], va[b], kv[b], mu[b], chunk, dout[b], dkv_out[b], dlq[b], dlk[b],
-            dva[b], dkv[b], store_bytes,
-        )  # fmt: skip
+def _backward(
+    lq, lk, va, kv, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu, check_kv,
+    check_mu,
+):  # fmt: skip
+    """Heads in turn on each worker ``t`` (its own ``seg_*``/``check_*`` buffers)."""
+    batch, _, m = lq.shape
+    workers = seg_kv.shape[0]
+    for t in prange(workers):
+        work = _backward_workspace(chunk, m, va.shape[2], lq.dtype)
+        for b in range(t, batch, workers):
+            _head_backward(
+                lq[b], lk[b], va[b], kv[b], mu[b], chunk, dout[b], dkv_out[b], dlq[b], dlk[b],
+                dva[b], dkv[b], seg_kv[t], seg_mu[t], check_kv[t], check_mu[t], work,
+            )  # fmt: skip
 
 
 # -- NumPy entry points (checked before any compiled code runs) -----------------------
@@ -647,8 +686,22 @@ def numpy_backward(
     dout, dkv_out = _flat(d_outputs_aug, 2), _flat(d_kv, 2)
     dlq, dlk = np.empty_like(flat[0]), np.empty_like(flat[1])
     dva, dkv = np.empty_like(flat[2]), np.empty_like(flat[3])
+    # Per worker thread: every chunk's state when they fit in STORE_BYTES, else a segment
+    # of sqrt(N) of them plus the states at segment starts (recomputed, never subtracted).
+    workers = min(dlq.shape[0], numba.get_num_threads())
+    n_chunks = -(-length // chunk)
+    stored = n_chunks * m * width * dlq.itemsize
+    per_segment = n_chunks if stored <= STORE_BYTES else math.ceil(math.sqrt(n_chunks))
+    n_segments = -(-n_chunks // per_segment)
+    seg_kv = np.empty((workers, per_segment, m, width), dlq.dtype)
+    seg_mu = np.empty((workers, per_segment + 1, m), dlq.dtype)
+    check_kv = np.empty((workers, n_segments, m, width), dlq.dtype)
+    check_mu = np.empty((workers, n_segments, m), dlq.dtype)
     with _single_threaded_blas():
-        _backward(*flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, STORE_BYTES)
+        _backward(
+            *flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu, check_kv,
+            check_mu,
+        )  # fmt: skip
     return (
         dlq.reshape((*batch, length, m)),
         dlk.reshape((*batch, length, m)),
@@ -725,12 +778,13 @@ def favor_causal(
     state = state.reshape(-1, m, dv + 1)
     mu = np.array(np.broadcast_to(log_shift, (*batch, m)), dtype, order="C", copy=True)
     mu = mu.reshape(-1, m)
-    consts = np.array([np.sqrt(scale), 0.5 * np.log(m)], dtype=dtype)
+    consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
+    scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
     out = np.empty((qf.shape[0], length, dv), dtype)
     chunk = int(min(chunk_size, length))
     with _single_threaded_blas():
         _forward_fused(
-            qf, kf, vf, maskf, np.ascontiguousarray(projection, dtype=dtype), consts,
+            qf, kf, vf, maskf, scaled_projection, consts,
             bool(hyperbolic), state, mu, chunk, out,
         )  # fmt: skip
     return (
