@@ -1,7 +1,8 @@
 """Shared pieces of the benchmark suites: the workload, interleaved timing, the figures table.
 
 Every ratio is taken within one run from interleaved, best-of-N wall times (the
-machine is shared, so the minimum is the least disturbed figure).  The figures are
+machine is shared, so the minimum is the least disturbed figure); each timed call
+follows an untimed one of the same function (see :func:`best_times`).  The figures are
 printed at the end of the session and kept in each benchmark's ``extra_info``
 (``--benchmark-json`` saves them).
 """
@@ -20,6 +21,9 @@ import pytest
 HEADS, HEAD_DIM, FEATURES = 8, 64, 256
 
 FIGURES: list[tuple[str, str]] = []
+
+#: Pause before each timed call (see :func:`best_times`).
+SETTLE_SECONDS = 0.25
 
 
 class Bench:
@@ -48,12 +52,21 @@ def bench() -> Bench:
 
 
 def best_times(functions: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """Best-of-``repeat`` seconds of each function, run interleaved (round robin)."""
+    """Best-of-``repeat`` seconds of each function, run interleaved (round robin).
+
+    Each timed call follows a pause of :data:`SETTLE_SECONDS` and an untimed call of
+    the same function: thread pools spin on after a call (OpenBLAS's for about 0.1 s,
+    OpenMP's in torch) and would otherwise take the cores from whichever function runs
+    next, charging one library's idle threads to another (seen here: 40 ms instead of
+    23 ms for the fused pass at L = 1024 right after NumPy's exact attention).
+    """
     best = dict.fromkeys(functions, float("inf"))
     for fn in functions.values():  # warm-up: compilation, caches, thread pools
         fn()
     for _ in range(repeat):
         for name, fn in functions.items():
+            time.sleep(SETTLE_SECONDS)  # other libraries' threads stop spinning
+            fn()  # this function's caches and threads are warm
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)

@@ -218,6 +218,14 @@ def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights):
 
 
 @_jit()
+def _running_max(lk, mu, top):
+    """``top = max(mu, max_j l(k_j))`` per feature (``np.maximum`` rows: it vectorises)."""
+    top[:] = mu
+    for j in range(lk.shape[0]):
+        np.maximum(top, lk[j], top)
+
+
+@_jit()
 def _shift_between(mu, top, ms, shift, decay):
     """Shifts of one chunk's key absorption, from ``mu`` before it to ``mu' = top`` after:
     ``shift = mu'`` where finite, else 0, and ``decay = exp(ms - shift)`` (0 where ``mu``
@@ -259,13 +267,8 @@ def _key_features(lk, shift, decay, psi, g, reuse, phi):
 def _absorb(lk, va, kv, mu, ms, phi, top, shift, decay, product, psi, g, reuse):
     """``(S, mu) <- (exp(ms - mu') S + exp(l(K) - mu')^T [V|1], mu')``; leaves ``phi``
     (:func:`_key_features`; ``reuse`` needs the chunk's ``psi`` and ``G``)."""
-    c, m = lk.shape
-    for r in range(m):
-        top[r] = mu[r]
-    for j in range(c):
-        for r in range(m):
-            x, best = lk[j, r], top[r]
-            top[r] = x if x > best else best
+    m = lk.shape[1]
+    _running_max(lk, mu, top)
     full = _shift_between(mu, top, ms, shift, decay)
     _key_features(lk, shift, decay, psi, g, reuse and full, phi)
     np.dot(phi.T, va, product)
@@ -325,6 +328,15 @@ def _forward(lq, lk, va, kv, mu, chunk, out):
             )  # fmt: skip
 
 
+@njit(cache=True, nogil=True, fastmath={"contract", "reassoc"}, error_model="numpy")
+def _sum_squares(x):
+    """``sum(x**2)`` of a row, summed in any order (so that it vectorises)."""
+    total = x[0] - x[0]
+    for e in range(x.shape[0]):
+        total += x[e] * x[e]
+    return total
+
+
 @_jit()
 def _log_features(x, projection, consts, hyperbolic, proj, out):
     """``FeatureMap.signed_log_features`` for "positive"/"hyperbolic" kinds, one block.
@@ -334,16 +346,13 @@ def _log_features(x, projection, consts, hyperbolic, proj, out):
     - log(m) / 2``: the array-API formula, rounded differently (within a few ulp).
     ``proj`` is scratch for the hyperbolic kind (the positive kind projects into ``out``).
     """
-    c, d = x.shape
+    c = x.shape[0]
     rows = projection.shape[0]
     half_scale, log_root_m = consts[0], consts[1]  # locals, so that the loops vectorise
     target = proj if hyperbolic else out
     np.dot(x, projection.T, target)
     for i in range(c):
-        norm = x[i, 0] * x[i, 0]
-        for e in range(1, d):
-            norm += x[i, e] * x[i, e]
-        offset = norm * half_scale + log_root_m
+        offset = _sum_squares(x[i]) * half_scale + log_root_m
         for r in range(rows):
             out[i, r] = target[i, r] - offset
         if hyperbolic:
@@ -517,11 +526,7 @@ def _head_backward(
         # mu after the segment's last chunk: its keys' running maximum (no state needed).
         last = n1 - 1 - n0
         t0, t1 = (n1 - 1) * chunk, min(n1 * chunk, length)
-        seg_mu[last + 1] = seg_mu[last]
-        for j in range(t0, t1):
-            for r in range(m):
-                x, best = lk[j, r], seg_mu[last + 1, r]
-                seg_mu[last + 1, r] = x if x > best else best
+        _running_max(lk[t0:t1], seg_mu[last], seg_mu[last + 1])
         for n in range(n1 - 1, n0 - 1, -1):
             t0, t1 = n * chunk, min(n * chunk + chunk, length)
             i = n - n0
