@@ -83,7 +83,7 @@ def softmax_attention(
     weights = xp.exp(logits - row_max)
     den = xp.sum(weights, axis=-1, keepdims=True)
     den = xp.where(den == 0, constant(xp, 1.0, den), den)
-    return xp.astype(xp.matmul(weights / den, v), info.dtype)
+    return xp.astype(xp.matmul(weights / den, v), info.dtype, copy=False)
 
 
 @overload
@@ -234,7 +234,7 @@ def linear_attention(
         normalised, kv, log_shift = _features_then_attention(
             q, k, v, feature_map, info, batch, key_mask, kv, log_shift, causal, chunk_size, backend
         )
-    out = xp.astype(normalised, info.dtype)
+    out = xp.astype(normalised, info.dtype, copy=False)  # no second output-sized copy
     if not return_state:
         return out
     previous = 0 if state is None else state.num_tokens

@@ -516,7 +516,9 @@ def _bidirectional_block(q: Array, total: Array, *, feature_map: Any) -> Array:
     xp = array_api_compat.array_namespace(q)
     kv, log_shift = _unpack(total)
     log_phi_q, sign_q = fm.signed_log_features(q, role="query")
-    return xp.astype(normalise(xp, readout(xp, kv, log_shift, log_phi_q, sign_q)), q.dtype)
+    return xp.astype(
+        normalise(xp, readout(xp, kv, log_shift, log_phi_q, sign_q)), q.dtype, copy=False
+    )
 
 
 def _causal_block(

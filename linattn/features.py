@@ -551,7 +551,7 @@ class FeatureMap:
                 " needs query/key statistics: expected a map from calibrate(q, k) or "
                 "with_statistics(...), got one without them"
             )
-        x = xp.astype(x, compute_dtype(xp, dtype))
+        x = xp.astype(x, compute_dtype(xp, dtype), copy=False)
         kind = self.kind
         if kind == "elu":
             zero = xp.zeros_like(x)

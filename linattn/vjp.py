@@ -121,7 +121,7 @@ def linear_attention_vjp(
     outputs_aug, _, _ = attend(
         xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, backend=backend
     )
-    d_outputs_aug = _normalise_vjp(xp, outputs_aug, xp.astype(grad_output, work))
+    d_outputs_aug = _normalise_vjp(xp, outputs_aug, xp.astype(grad_output, work, copy=False))
 
     if not causal:
         d_lq, d_lk, d_va = _bidirectional_vjp(
@@ -381,7 +381,7 @@ def _sum_to(xp: Namespace, grad: Array, shape: tuple[int, ...], dtype: object) -
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
     if stretched:
         grad = xp.sum(grad, axis=stretched, keepdims=True)
-    return xp.astype(grad, dtype)
+    return xp.astype(grad, dtype, copy=False)
 
 
 def _device(x: Array) -> object:

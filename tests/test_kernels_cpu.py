@@ -372,3 +372,29 @@ def test_fused_favor_equals_linear_attention(kind: str, dtype: str) -> None:
     # Log-features are differences of O(1) terms: absolute error against their size.
     scale = float(np.abs(state.log_shift).max())
     np.testing.assert_allclose(mu, state.log_shift, rtol=0, atol=10 * RTOL[dtype] * scale)
+
+
+def test_fused_linear_attention_allocates_only_its_output() -> None:
+    """Above its output, the fused path's memory does not grow with L: no L x m feature
+    array and no second copy of the output (scratch is O(chunk x m) per thread)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(13)
+    fm = la.FeatureMap(16, 64, seed=0)
+
+    def extra(length: int) -> tuple[int, int]:
+        q, k, v = (rng.normal(size=(2, length, 16)).astype(np.float32) for _ in range(3))
+        la.linear_attention(q, k, v, fm, causal=True)  # compile or load the kernels first
+        tracemalloc.start()
+        try:
+            out = la.linear_attention(q, k, v, fm, causal=True)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert out.dtype == np.float32
+        return peak - out.nbytes, out.nbytes
+
+    short, out_bytes = extra(8192)  # outputs of 1 and 2 MiB outgrow the scratch
+    long, _ = extra(16384)
+    # 8192 more tokens would add 1 MiB for an output copy, 4 MiB for one feature array.
+    assert long - short < out_bytes / 4, (short, long, out_bytes)
