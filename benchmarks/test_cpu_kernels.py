@@ -37,6 +37,16 @@ def fused(q: np.ndarray, k: np.ndarray, v: np.ndarray, fm: la.FeatureMap) -> np.
     return out
 
 
+def kernel_inputs(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, fm: la.FeatureMap
+) -> tuple[np.ndarray, ...]:
+    """The causal kernel's operands: log-features, ``[V | 1]`` and an empty state."""
+    va = np.concatenate([v, np.ones_like(v[..., :1])], axis=-1)
+    kv = np.zeros((1, HEADS, FEATURES, HEAD_DIM + 1), np.float32)
+    mu = np.full((1, HEADS, FEATURES), -np.inf, np.float32)
+    return fm.log_features(q), fm.log_features(k), va, kv, mu
+
+
 def causal_flops(length: int, heads: int, with_features: bool) -> float:
     """FLOPs counted per token: features (2 x 2 d m), intra-chunk (2 C m + 2 C (d_v+1)),
     state readout and state update (2 x 2 m (d_v+1))."""
@@ -75,10 +85,7 @@ def test_causal_vs_bidirectional(benchmark: Any, feature_map: la.FeatureMap, ben
 def test_flop_rate(benchmark: Any, feature_map: la.FeatureMap, bench: Any) -> None:
     """Goal: achieved FLOP rate >= 50 % of the float32 matmul rate of the same run."""
     q, k, v = bench.workload(LENGTH)
-    lq, lk = feature_map.log_features(q), feature_map.log_features(k)
-    va = np.concatenate([v, np.ones_like(v[..., :1])], axis=-1)
-    kv = np.zeros((1, HEADS, FEATURES, HEAD_DIM + 1), np.float32)
-    mu = np.full((1, HEADS, FEATURES), -np.inf, np.float32)
+    lq, lk, va, kv, mu = kernel_inputs(q, k, v, feature_map)
     a = np.random.default_rng(1).normal(size=(2048, 2048)).astype(np.float32)
     times = bench.best_times(
         {
@@ -202,10 +209,7 @@ def test_peak_memory(benchmark: Any, path: str, bench: Any) -> None:
 def test_backward_over_forward(benchmark: Any, feature_map: la.FeatureMap, bench: Any) -> None:
     """Goal: backward kernel <= 2.5 x forward kernel (log-features given, L=16384)."""
     q, k, v = bench.workload(LENGTH)
-    lq, lk = feature_map.log_features(q), feature_map.log_features(k)
-    va = np.concatenate([v, np.ones_like(v[..., :1])], axis=-1)
-    kv = np.zeros((1, HEADS, FEATURES, HEAD_DIM + 1), np.float32)
-    mu = np.full((1, HEADS, FEATURES), -np.inf, np.float32)
+    lq, lk, va, kv, mu = kernel_inputs(q, k, v, feature_map)
     out, kv_out, _ = numba_cpu.numpy_forward(lq, lk, va, kv, mu, CHUNK)
     d_out = np.random.default_rng(2).normal(size=out.shape).astype(np.float32)
     d_kv = np.zeros_like(kv_out)
