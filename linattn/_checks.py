@@ -48,6 +48,17 @@ def check_chunk_size(chunk_size: object) -> int:
     return int(chunk_size)
 
 
+def check_key_mask(xp: Namespace, key_mask: Array, key_length: int) -> None:
+    """``key_mask`` is boolean with shape ``(..., key_length)``."""
+    if key_mask.dtype != xp.bool:
+        raise TypeError(f"key_mask must be a boolean array; got dtype {key_mask.dtype}")
+    if key_mask.ndim < 1 or key_mask.shape[-1] != key_length:
+        raise ValueError(
+            f"key_mask must have shape (..., {key_length}) to match the key length; "
+            f"got shape {tuple(key_mask.shape)}"
+        )
+
+
 def check_attention_inputs(
     q: Array,
     k: Array,
@@ -95,13 +106,7 @@ def check_attention_inputs(
         )
     leading = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2])}
     if key_mask is not None:
-        if key_mask.dtype != xp.bool:
-            raise TypeError(f"key_mask must be a boolean array; got dtype {key_mask.dtype}")
-        if key_mask.ndim < 1 or key_mask.shape[-1] != k.shape[-2]:
-            raise ValueError(
-                f"key_mask must have shape (..., {k.shape[-2]}) to match the key length; "
-                f"got shape {tuple(key_mask.shape)}"
-            )
+        check_key_mask(xp, key_mask, k.shape[-2])
         leading["key_mask"] = tuple(key_mask.shape[:-1])
     batch_shape = broadcast_shapes(leading)
     dtype = xp.result_type(q.dtype, k.dtype, v.dtype)

@@ -88,8 +88,14 @@ def float_dtype(xp: Namespace, name: str, x: Array) -> Any:
 
 
 def compute_dtype(xp: Namespace, dtype: Any) -> Any:
-    """The dtype the state and accumulations use: float64 stays, all else is float32."""
-    return xp.float64 if dtype == xp.float64 else xp.float32
+    """The dtype the state and accumulations use: float64 stays, all else is float32.
+
+    Every operand is cast to it before any work (mixed float32/float64 inputs compute
+    in float64, as NumPy's promotion says); NumPy's byte-swapped ``>f8`` counts as
+    float64.
+    """
+    wide = dtype == xp.float64 or (getattr(dtype, "kind", "") == "f" and dtype.itemsize == 8)
+    return xp.float64 if wide else xp.float32
 
 
 def dtype_name(dtype: Any) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._checks import check_attention_inputs, check_chunk_size
-from linattn._xp import Array, compute_dtype, constant, dtype_name, from_host
+from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, from_host
 from linattn.features import FeatureMap, Kind
 from linattn.state import LinearAttentionState, empty_state
 
@@ -66,6 +66,7 @@ def softmax_attention(
     scale = _check_scale(scale, info.xp, q.shape[-1])
     work = compute_dtype(xp, info.dtype)
     q, k, v = (xp.astype(a, work) for a in (q, k, v))
+    k, v = drop_masked_keys(xp, k, v, key_mask)
     logits = xp.matmul(q, xp.matrix_transpose(k)) * scale
     visible = None
     if causal:
@@ -198,6 +199,8 @@ def linear_attention(
         )
     xp = info.xp
     work = compute_dtype(xp, info.dtype)
+    q, k, v = (xp.astype(x, work, copy=False) for x in (q, k, v))  # one compute dtype
+    k, v = drop_masked_keys(xp, k, v, key_mask)
     batch = info.batch_shape
     if state is not None:
         batch = _check_state(state, feature_map, info, work)
@@ -278,6 +281,21 @@ def attention_operands(
         full(sign_k, lk, m),
         full(values_aug, lk, info.value_dim + 1),
     )
+
+
+def drop_masked_keys(
+    xp: Namespace, k: Array, v: Array, key_mask: Array | None
+) -> tuple[Array, Array]:
+    """Zeros for the keys and values of masked keys, before anything is computed.
+
+    Padding may hold anything: a masked key's zero weight times a NaN or inf in its
+    padding would still be NaN.  (The mask itself acts on key features: masked keys'
+    log-features are ``-inf`` in :func:`attention_operands` and the kernels.)
+    """
+    if key_mask is None:
+        return k, v
+    keep = key_mask[..., None]
+    return xp.where(keep, k, constant(xp, 0.0, k)), xp.where(keep, v, constant(xp, 0.0, v))
 
 
 def _features_then_attention(

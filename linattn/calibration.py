@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from linattn._xp import Array, Namespace, to_host
+from linattn._xp import Array, Namespace, constant, to_host
 
 __all__ = ["QueryKeyStatistics", "oprf_optimal_a", "query_key_statistics", "rebalance_scales"]
 
@@ -53,8 +53,10 @@ def query_key_statistics(
     else:
         full = xp.broadcast_to(key_mask[..., None], (*key_mask.shape, d))
         shape = np.broadcast_shapes(tuple(y.shape), tuple(full.shape))
-        ys = xp.reshape(xp.broadcast_to(y, shape), (-1, d))
-        weights = xp.astype(xp.reshape(xp.broadcast_to(full, shape), (-1, d)), y.dtype)
+        keep = xp.reshape(xp.broadcast_to(full, shape), (-1, d))
+        # Select, never multiply: a masked key may hold NaN or inf (0 * inf is NaN).
+        ys = xp.where(keep, xp.reshape(xp.broadcast_to(y, shape), (-1, d)), constant(xp, 0.0, y))
+        weights = xp.astype(keep, y.dtype)
     q_mean = to_host(xp.mean(xs, axis=0))
     q_energy = to_host(xp.mean(xs * xs, axis=0))
     if weights is None:

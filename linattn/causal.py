@@ -75,6 +75,7 @@ def causal(
         Unnormalised outputs ``(..., L, d_v + 1)`` and the state after the last token.
     """
     length = log_phi_q.shape[-2]
+    chunk_size = min(chunk_size, max(length, 1))  # no chunk-sized mask beyond L
     device = _device(log_phi_q)
     lower = from_host(
         xp, np.tril(np.ones((chunk_size, chunk_size), dtype=bool)), dtype=xp.bool, device=device

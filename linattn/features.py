@@ -14,7 +14,8 @@ from typing import Any, Literal
 import array_api_compat
 import numpy as np
 
-from linattn._xp import Array, compute_dtype, float_dtype, from_host, namespace_of
+from linattn._checks import check_key_mask
+from linattn._xp import Array, compute_dtype, constant, float_dtype, from_host, namespace_of
 from linattn.projections import Norms, gaussian_projection
 
 __all__ = ["KINDS", "FeatureMap"]
@@ -424,10 +425,18 @@ class FeatureMap:
                 raise ValueError(
                     f"{name} must have shape (..., L, {self.head_dim}); got {tuple(x.shape)}"
                 )
+        if key_mask is not None:
+            check_key_mask(xp, key_mask, k.shape[-2])
         root = math.sqrt(self.scale)
         stats = query_key_statistics(
             xp, xp.astype(q, xp.float64) * root, xp.astype(k, xp.float64) * root, key_mask
         )
+        moments = (stats.query_mean, stats.key_mean, stats.query_energy, stats.key_energy)
+        if not all(np.all(np.isfinite(x)) for x in moments):
+            raise ValueError(
+                "calibrate needs finite q and (unmasked) k: their mean or energy came out "
+                "non-finite (NaN, inf or overflowing values in the inputs)"
+            )
         changes: dict[str, Any] = {}
         if self.rebalance:
             psi = rebalance_scales(stats)
@@ -577,7 +586,11 @@ class FeatureMap:
         if kind == "trigonometric":
             # [cos, sin](w^T x) * exp(|x|^2 / 2) / sqrt(m / 2)
             trig = xp.concat([xp.cos(proj), xp.sin(proj)], axis=-1)
-            log_abs = xp.log(xp.abs(trig)) + half_norm - 0.5 * math.log(self.num_features / 2)
+            size = xp.abs(trig)  # log 0 = -inf without a warning (w^T x = 0 for x = 0)
+            nonzero = size > 0
+            one, neg_inf = constant(xp, 1.0, size), constant(xp, -math.inf, size)
+            log_size = xp.where(nonzero, xp.log(xp.where(nonzero, size, one)), neg_inf)
+            log_abs = log_size + half_norm - 0.5 * math.log(self.num_features / 2)
             return log_abs, xp.sign(trig)
         offset = -log_m
         if kind in OPRF_KINDS:

@@ -24,7 +24,7 @@ from linattn import _dispatch
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype, from_host
 from linattn._xp import safe_shift as _safe
-from linattn.attention import attend, attention_operands
+from linattn.attention import attend, attention_operands, drop_masked_keys
 from linattn.features import RELU_EPSILON, FeatureMap
 from linattn.state import absorb_keys, empty_state
 
@@ -102,6 +102,9 @@ def linear_attention_vjp(
             f"{tuple(grad_output.shape)}"
         )
     work = compute_dtype(xp, info.dtype)
+    inputs = q, k, v
+    q, k, v = (xp.astype(x, work, copy=False) for x in inputs)  # one compute dtype
+    k, v = drop_masked_keys(xp, k, v, key_mask)
     m = feature_map.num_features
     if feature_map.needs_calibration:
         if causal:
@@ -149,6 +152,7 @@ def linear_attention_vjp(
     dq = _feature_vjp(xp, feature_map, q, d_lq, "query")
     dk = _feature_vjp(xp, feature_map, k, d_lk, "key")
     d_values = d_va[..., :dv]
+    q, k, v = inputs  # gradients in the callers' dtypes
     return (
         _sum_to(xp, dq, tuple(q.shape), q.dtype),
         _sum_to(xp, dk, tuple(k.shape), k.dtype),
@@ -218,6 +222,7 @@ def causal_vjp(
     batch = tuple(log_phi_q.shape[:-2])
     length, m = log_phi_q.shape[-2:]
     width = values_aug.shape[-1]
+    chunk_size = min(chunk_size, max(length, 1))  # no chunk-sized mask beyond L
     starts = list(range(0, length, chunk_size))
     per_segment = max(1, math.isqrt(len(starts) - 1) + 1)
     lower = from_host(
@@ -313,11 +318,7 @@ def _chunk_vjp(
     phi = xp.exp(log_phi_k - next_mu[..., None, :])
     if sign_k is not None:
         phi = sign_k * phi
-    decay = xp.where(
-        xp.isfinite(log_shift),
-        xp.exp(_safe(xp, log_shift) - next_mu),
-        constant(xp, 0.0, log_shift),
-    )
+    decay = xp.exp(log_shift - next_mu)  # 0 where mu = -inf (no overflow to discard)
     t = xp.matrix_transpose
     intra = xp.matmul(u, t(psi)) * weights
     paired = xp.matmul(d_out, t(values_aug)) * weights

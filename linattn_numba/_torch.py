@@ -3,12 +3,14 @@
 The device code (CPU via ``.numpy()``, CUDA via ``__cuda_array_interface__``) lives
 with each kernel; this module only builds the ``torch.autograd.Function``.
 
-Stabilisers (the input and output ``log_shift`` and the per-row and per-key shifts
-inside the kernel) are treated as constants by the backward pass.  That is exact for
+The kernel's own stabilisers (the output ``log_shift`` and the per-row and per-key
+shifts inside it) are treated as constants by the backward pass.  That is exact for
 the normalised outputs ``O[..., :d_v] / O[..., d_v]`` and for anything computed from
 the state that does not change when the shift does, because numerator and
 denominator share every shift.  The output ``log_shift`` is therefore marked
-non-differentiable.
+non-differentiable.  The *input* state ``(S, mu)`` stands for ``S exp(mu)``, so the
+input ``mu`` gets the gradient of that product, ``d mu = sum_e dS * S``: a state whose
+``mu`` was computed with gradients (by the array-API path) continues exactly.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def autograd_kernel(forward: Forward, backward: Backward) -> Callable[..., Any]:
     Returns
     -------
     callable
-        Same signature as ``forward``; gradients reach ``lq``, ``lk``, ``va`` and
-        ``kv`` (not ``mu``, a stabiliser).
+        Same signature as ``forward``; gradients reach ``lq``, ``lk``, ``va``, ``kv``
+        and ``mu`` (the last through the product ``kv exp(mu)`` it stands for).
 
     Examples
     --------
@@ -92,9 +94,10 @@ def autograd_kernel(forward: Forward, backward: Backward) -> Callable[..., Any]:
                 lq, lk, va, kv, mu, ctx.chunk_size, d_out.contiguous(), d_kv.contiguous()
             )
             needed = ctx.needs_input_grad
+            d_mu = (grads[3] * kv).sum(-1) if needed[4] else None  # S exp(mu) is the state
             return (
                 *(g if needed[i] else None for i, g in enumerate(grads)),
-                None,  # mu: a stabiliser, held constant
+                d_mu,
                 None,  # chunk_size
             )
 

@@ -388,12 +388,14 @@ def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk,
             _log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
             _log_features(k[b][s0:s1], projection, consts, hyperbolic, proj[:n], lk[:n])
             for i in range(n):
-                if not mask[b, s0 + i]:
-                    for r in range(m):
-                        lk[i, r] = -np.inf
                 for e in range(dv):
                     va[i, e] = v[b, s0 + i, e]
                 va[i, dv] = 1
+                if not mask[b, s0 + i]:  # a masked key: no features, no (padding) values
+                    for r in range(m):
+                        lk[i, r] = -np.inf
+                    for e in range(dv):
+                        va[i, e] = 0
             for t0 in range(0, n, chunk):
                 t1 = min(t0 + chunk, n)
                 c = t1 - t0

@@ -198,6 +198,55 @@ def test_padded_keys_change_nothing(backend: Backend, causal: bool) -> None:
     np.testing.assert_allclose(backend.to_numpy(out)[:13], plain, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["positive", "trigonometric"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_finite_padding_changes_nothing(backend: Backend, kind: str, causal: bool) -> None:
+    """Padding may hold anything: masked keys' NaN/inf keys and values must not leak
+    (a zero weight times NaN is still NaN; "trigonometric" also carries signs)."""
+    fm = _map(kind)
+    q, k, v = Q[0, 0], K[0, 0], V[0, 0]
+    mask = np.ones(13, bool)
+    mask[[2, 9]] = False
+    k_pad, v_pad = k.copy(), v.copy()
+    k_pad[2], v_pad[2] = np.inf, np.nan
+    k_pad[9], v_pad[9] = np.nan, -np.inf
+    args = [backend.asarray(a) for a in (q, k_pad, v_pad)]
+    out = la.linear_attention(*args, fm, causal=causal, key_mask=backend.asarray(mask))
+    expected = linear_reference(q, k, v, fm, causal=causal, key_mask=mask)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=1e-10, atol=1e-12)
+    exact = la.softmax_attention(*args, causal=causal, key_mask=backend.asarray(mask))
+    expected = softmax_reference(q, k, v, causal=causal, key_mask=mask)
+    np.testing.assert_allclose(backend.to_numpy(exact), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_mixed_precision_computes_in_the_promoted_dtype(backend: Backend) -> None:
+    """float32 queries with float64 keys and values: everything in float64 (features
+    included), and the state returned continues the sequence."""
+    fm = _map("positive")
+    q = Q[0, 0].astype(np.float32)  # float32 values, exactly representable in float64
+    k, v = K[0, 0], V[0, 0]
+    head, tail = slice(0, 9), slice(9, 13)
+
+    def inputs(rows: slice) -> list:
+        return [backend.asarray(q[rows], dtype="float32"), backend.asarray(k[rows]),
+                backend.asarray(v[rows])]  # fmt: skip
+
+    out, state = la.linear_attention(*inputs(head), fm, causal=True, return_state=True)
+    rest = la.linear_attention(*inputs(tail), fm, causal=True, state=state)
+    expected = linear_reference(q.astype(np.float64), k, v, fm, causal=True)
+    assert_close(backend, out, expected[head], rtol=1e-10, atol=1e-12, dtype="float64")
+    assert_close(backend, rest, expected[tail], rtol=1e-10, atol=1e-12, dtype="float64")
+
+
+def test_chunk_size_beyond_the_length_costs_nothing(backend: Backend) -> None:
+    """A chunk longer than the sequence is the sequence: no chunk-sized mask is built."""
+    fm = _map("positive")
+    args = [backend.asarray(a) for a in (Q[0, 0], K[0, 0], V[0, 0])]
+    out = la.linear_attention(*args, fm, causal=True, chunk_size=10**9, backend="array_api")
+    expected = linear_reference(Q[0, 0], K[0, 0], V[0, 0], fm, causal=True)
+    assert_close(backend, out, expected, rtol=1e-10, atol=1e-12, dtype="float64")
+
+
 def test_queries_that_see_no_key_get_zeros(backend: Backend) -> None:
     fm = _map("positive")
     q, k, v = Q[0, 0], K[0, 0], V[0, 0]

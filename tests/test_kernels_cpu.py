@@ -177,6 +177,29 @@ def test_linear_attention_gradients_kernel_vs_array_api(kind: str) -> None:
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("first", "then"), [("array_api", "numba"), ("numba", "array_api"), ("numba", "numba")]
+)
+def test_gradients_through_a_state_passed_between_backends(first: str, then: str) -> None:
+    """A state from either backend continues on the other with exact gradients: the
+    kernel passes the gradient of ``S exp(mu)`` on to the incoming ``mu`` (which the
+    array-API path computes with gradients)."""
+    torch = pytest.importorskip("torch")
+    fm = la.FeatureMap(4, 8, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(7, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        head, state = la.linear_attention(
+            q[:3], k[:3], v[:3], fm, causal=True, return_state=True, backend=first
+        )
+        tail = la.linear_attention(q[3:], k[3:], v[3:], fm, causal=True, state=state, backend=then)
+        return head.sum() + (tail**2).sum()
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    assert torch.autograd.gradcheck(loss, leaves)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("position", [5, 16, 30])
 def test_causality_bit_exact(dtype: str, position: int) -> None:
