@@ -84,6 +84,8 @@ def check_attention_inputs(
             )
         if x.shape[-2] == 0:
             raise ValueError(f"{name} must have at least one position; got shape {tuple(x.shape)}")
+        if x.shape[-1] == 0:
+            raise ValueError(f"{name} must have at least one feature; got shape {tuple(x.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must have the same head dimension; got q shape {tuple(q.shape)} "

@@ -191,6 +191,8 @@ def linear_attention(
     )
     chunk_size = check_chunk_size(chunk_size)
     _dispatch.resolve_backend(backend)
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be True or False; got {return_state!r}")
     if not causal and (state is not None or return_state):
         raise ValueError(
             "state and return_state need causal=True (bidirectional attention has no "

@@ -170,8 +170,10 @@ class FeatureMap:
                 f"num_features must equal head_dim for the deterministic kind {kind!r}; "
                 f"got num_features={num_features}, head_dim={head_dim}"
             )
-        if not isinstance(seed, int | np.integer) or seed < 0:
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
+        if not isinstance(orthogonal, bool | np.bool_):
+            raise TypeError(f"orthogonal must be True or False; got {orthogonal!r}")
         projection = None
         if random:
             projection = gaussian_projection(
@@ -236,8 +238,10 @@ class FeatureMap:
             rebalance_scales.setflags(write=False)
         if scale is None:
             scale = 1.0 / math.sqrt(head_dim)
-        if not isinstance(scale, int | float | np.floating) or not (
-            math.isfinite(scale) and scale > 0
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float | np.floating)
+            or not (math.isfinite(scale) and scale > 0)
         ):
             raise ValueError(f"scale must be a positive finite number; got {scale!r}")
         if projection is not None:
@@ -624,7 +628,7 @@ def _restore(fields: dict[str, Any]) -> FeatureMap:
 
 
 def _check_kind(kind: object) -> tuple[bool, int]:
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
     return KINDS[kind]
 

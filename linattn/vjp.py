@@ -82,6 +82,8 @@ def linear_attention_vjp(
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
         )
+    if grad_output is None:
+        raise TypeError("grad_output must be an array shaped like the output; got None")
     info = check_attention_inputs(
         q,
         k,

@@ -383,6 +383,19 @@ def test_bad_inputs_raise_clear_errors() -> None:
             la.linear_attention(*args, **kwargs)
 
 
+def test_more_bad_inputs_raise_clear_errors() -> None:
+    x, empty = np.ones((4, 8)), np.ones((4, 0))
+    fm = la.FeatureMap(8, 16)
+    with pytest.raises(ValueError, match=r"q must have at least one feature; got shape \(4, 0\)"):
+        la.softmax_attention(empty, empty, empty)
+    with pytest.raises(ValueError, match=r"v must have at least one feature; got shape \(4, 0\)"):
+        la.linear_attention(x, x, empty, fm, causal=True)
+    with pytest.raises(TypeError, match="return_state must be True or False; got 'no'"):
+        la.linear_attention(x, x, x, fm, causal=True, return_state="no")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="grad_output must be an array shaped like the output"):
+        la.linear_attention_vjp(x, x, x, fm, None)
+
+
 def test_array_api_strict_devices_must_match() -> None:
     xps = pytest.importorskip("array_api_strict")
     q = xps.asarray(Q[0, 0], device=xps.Device("device1"))

@@ -98,6 +98,10 @@ def test_scale_is_applied_to_queries_and_keys() -> None:
         ((8, 16), {"scale": -1.0}, ValueError, "scale must be a positive finite number"),
         ((8, 16), {"seed": -1}, ValueError, "seed must be a non-negative integer"),
         ((8, 16), {"norms": "unit"}, ValueError, "norms must be 'chi' or 'fixed'"),
+        ((8, 16), {"kind": ["positive"]}, ValueError, "kind must be one of"),
+        ((8, 16), {"orthogonal": "no"}, TypeError, "orthogonal must be True or False"),
+        ((8, 16), {"scale": True}, ValueError, "scale must be a positive finite number"),
+        ((8, 16), {"seed": True}, ValueError, "seed must be a non-negative integer"),
     ],
 )
 def test_bad_construction(args: tuple, kwargs: dict, error: type, match: str) -> None:
@@ -241,6 +245,22 @@ def test_uncalibrated_maps_refuse_features_and_causal_use() -> None:
 def test_bad_low_variance_options(kwargs: dict, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         la.FeatureMap(8, 8, **kwargs)
+
+
+def test_calibrate_checks_the_mask_and_ignores_masked_padding() -> None:
+    x = np.random.default_rng(0).normal(size=(6, 8))
+    fm = la.FeatureMap(8, 16, kind="oprf")
+    with pytest.raises(TypeError, match="key_mask must be a boolean array; got dtype int64"):
+        fm.calibrate(x, x, key_mask=np.arange(6))
+    with pytest.raises(ValueError, match=r"key_mask must have shape \(\.\.\., 6\)"):
+        fm.calibrate(x, x, key_mask=np.ones(5, bool))
+    padded = x.copy()
+    padded[4:] = np.nan  # padding may hold anything
+    mask = np.arange(6) < 4
+    calibrated = fm.calibrate(x, padded, key_mask=mask).oprf_a
+    assert calibrated == pytest.approx(fm.calibrate(x, x[:4]).oprf_a, rel=1e-12)
+    with pytest.raises(ValueError, match="calibrate needs finite q and"):
+        fm.calibrate(x, padded)
 
 
 def test_with_statistics_validates() -> None:
