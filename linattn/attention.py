@@ -472,6 +472,9 @@ def _check_state(
             "state was made by another feature map: expected one with fingerprint "
             f"{feature_map.fingerprint} (this call's feature_map), got {state.feature_map}"
         )
+    count = state.num_tokens
+    if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 0:
+        raise TypeError(f"state.num_tokens must be a non-negative integer; got {count!r}")
     m, width = feature_map.num_features, info.value_dim + 1
     if state.kv.ndim < 2 or tuple(state.kv.shape[-2:]) != (m, width):
         raise ValueError(

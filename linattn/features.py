@@ -160,6 +160,12 @@ class FeatureMap:
         _check_positive_int("head_dim", head_dim)
         _check_positive_int("num_features", num_features)
         random, rows_per_feature = _check_kind(kind)
+        if head_dim * num_features > MAX_PROJECTION_SIZE:
+            raise ValueError(
+                f"num_features x head_dim must be at most {MAX_PROJECTION_SIZE} (a "
+                f"{8 * MAX_PROJECTION_SIZE // 2**30} GiB projection); got "
+                f"{num_features} x {head_dim}"
+            )
         if num_features % rows_per_feature:
             raise ValueError(
                 f"num_features must be even for kind={kind!r} (it uses num_features / 2 "
@@ -618,6 +624,10 @@ class FeatureMap:
     def _projection_like(self, xp: Any, x: Array) -> Array:
         assert self._projection is not None
         return from_host(xp, self._projection, dtype=x.dtype, device=array_api_compat.device(x))
+
+
+#: Largest projection (entries) a FeatureMap draws: 2 GiB of float64.
+MAX_PROJECTION_SIZE = 2**28
 
 
 def _restore(fields: dict[str, Any]) -> FeatureMap:

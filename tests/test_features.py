@@ -102,6 +102,7 @@ def test_scale_is_applied_to_queries_and_keys() -> None:
         ((8, 16), {"orthogonal": "no"}, TypeError, "orthogonal must be True or False"),
         ((8, 16), {"scale": True}, ValueError, "scale must be a positive finite number"),
         ((8, 16), {"seed": True}, ValueError, "seed must be a non-negative integer"),
+        ((8, 10**12), {}, ValueError, "num_features x head_dim must be at most 268435456"),
     ],
 )
 def test_bad_construction(args: tuple, kwargs: dict, error: type, match: str) -> None:
