@@ -297,7 +297,7 @@ def test_state_round_trip_errors() -> None:
     with pytest.raises(ValueError, match="state and return_state need causal=True"):
         la.linear_attention(q, k, v, fm, state=state)
     counted = dataclasses.replace(state, num_tokens="x")
-    with pytest.raises(TypeError, match="state.num_tokens must be a non-negative integer"):
+    with pytest.raises(TypeError, match=r"state\.num_tokens must be a non-negative integer"):
         la.linear_attention(q, k, v, fm, causal=True, state=counted, return_state=True)
     with pytest.raises(TypeError, match="state must be a LinearAttentionState"):
         la.linear_attention(q, k, v, fm, causal=True, state=(state.kv, state.log_shift))  # type: ignore[arg-type]
