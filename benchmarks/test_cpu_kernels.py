@@ -110,6 +110,55 @@ def test_flop_rate(benchmark: Any, feature_map: la.FeatureMap, bench: Any) -> No
     )
 
 
+def test_one_core_flop_rate(benchmark: Any, feature_map: la.FeatureMap, bench: Any) -> None:
+    """The FLOP-rate goal on one core (Numba and BLAS pinned to one thread), and how the
+    fused pass and sgemm each scale to all cores: what the all-core ratio is made of."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    q, k, v = bench.workload(LENGTH)
+    a = np.random.default_rng(1).normal(size=(2048, 2048)).astype(np.float32)
+    cores = numba.config.NUMBA_NUM_THREADS
+
+    def on(threads: int, fn: Any) -> Any:
+        def run() -> None:
+            numba.set_num_threads(threads)
+            try:
+                with threadpool_limits(threads, user_api="blas"):
+                    fn()
+            finally:
+                numba.set_num_threads(cores)
+
+        return run
+
+    times = bench.best_times(
+        {
+            "sgemm, one core": on(1, lambda: a @ a),
+            "fused, one core": on(1, lambda: fused(q, k, v, feature_map)),
+            "sgemm, all cores": on(cores, lambda: a @ a),
+            "fused, all cores": on(cores, lambda: fused(q, k, v, feature_map)),
+        },
+        repeat=3,
+    )
+    rate = {name: 1e-9 * (2 * 2048**3 if name.startswith("sgemm") else
+                          causal_flops(LENGTH, HEADS, True)) / seconds
+            for name, seconds in times.items()}  # fmt: skip
+    for name, value in rate.items():
+        bench.record(benchmark, f"{name} rate", value, "GFLOP/s")
+    bench.record(
+        benchmark,
+        "one core: fused rate / sgemm rate",
+        rate["fused, one core"] / rate["sgemm, one core"],
+    )
+    for what in ("sgemm", "fused"):
+        bench.record(
+            benchmark,
+            f"{what}: all cores / one core ({cores} cores)",
+            times[f"{what}, one core"] / times[f"{what}, all cores"],
+        )
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
 @pytest.mark.parametrize("length", [1024, 2048, 4096, 8192, 16384, 32768])
 def test_vs_exact_causal_attention(
     benchmark: Any, feature_map: la.FeatureMap, length: int, bench: Any
