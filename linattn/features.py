@@ -431,9 +431,10 @@ class FeatureMap:
         xp = namespace_of(q=q, k=k, key_mask=key_mask)
         for name, x in (("q", q), ("k", k)):
             float_dtype(xp, name, x)
-            if x.ndim < 2 or x.shape[-1] != self.head_dim:
+            if x.ndim < 2 or x.shape[-1] != self.head_dim or x.shape[-2] == 0:
                 raise ValueError(
-                    f"{name} must have shape (..., L, {self.head_dim}); got {tuple(x.shape)}"
+                    f"{name} must have shape (..., L, {self.head_dim}) with L >= 1; got "
+                    f"{tuple(x.shape)}"
                 )
         if key_mask is not None:
             check_key_mask(xp, key_mask, k.shape[-2])

@@ -262,6 +262,8 @@ def test_calibrate_checks_the_mask_and_ignores_masked_padding() -> None:
     assert calibrated == pytest.approx(fm.calibrate(x, x[:4]).oprf_a, rel=1e-12)
     with pytest.raises(ValueError, match="calibrate needs finite q and"):
         fm.calibrate(x, padded)
+    with pytest.raises(ValueError, match=r"k must have shape \(\.\.\., L, 8\) with L >= 1"):
+        fm.calibrate(x, x[:0])
 
 
 def test_with_statistics_validates() -> None:
