@@ -6,6 +6,7 @@ kernels are only reached after these checks pass.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,15 @@ import numpy as np
 
 from linattn._xp import Array, Namespace, device_of, float_dtype, namespace_of
 
-__all__ = ["AttentionInputs", "broadcast_shapes", "check_attention_inputs", "check_chunk_size"]
+__all__ = [
+    "AttentionInputs",
+    "broadcast_shapes",
+    "check_attention_inputs",
+    "check_chunk_size",
+    "check_key_mask",
+    "check_scale",
+    "key_mask_batch_shape",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,24 @@ def check_chunk_size(chunk_size: object) -> int:
     return int(chunk_size)
 
 
+def check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale as a float: ``scale`` if a positive finite number, else ``1/sqrt(d)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if (
+        isinstance(scale, bool | np.bool_)
+        or not isinstance(scale, int | float | np.floating | np.integer)
+        or not (math.isfinite(scale) and scale > 0)
+    ):
+        raise ValueError(f"scale must be a positive finite number; got {scale!r}")
+    return float(scale)
+
+
+def key_mask_batch_shape(key_mask: Array, k: Array) -> tuple[int, ...]:
+    """The batch shape of ``key_mask`` broadcast against ``k``'s (``ValueError`` naming both)."""
+    return broadcast_shapes({"key_mask": tuple(key_mask.shape[:-1]), "k": tuple(k.shape[:-2])})
+
+
 def check_key_mask(xp: Namespace, key_mask: Array, key_length: int) -> None:
     """``key_mask`` is boolean with shape ``(..., key_length)``."""
     if key_mask.dtype != xp.bool:
@@ -73,7 +100,7 @@ def check_attention_inputs(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     arrays = {"q": q, "k": k, "v": v, "key_mask": key_mask, **(extra or {})}
-    xp = namespace_of(**arrays)
+    xp = namespace_of(arrays, optional=("key_mask",))
     device = device_of(**arrays)
     for name, x in (("q", q), ("k", k), ("v", v)):
         float_dtype(xp, name, x)

@@ -6,7 +6,7 @@ Everything here works on any array-API namespace obtained through
 
 from __future__ import annotations
 
-import math
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import array_api_compat
@@ -37,21 +37,29 @@ def library_name(x: object) -> str:
     return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
 
 
-def namespace_of(**arrays: Array | None) -> Namespace:
-    """The one array namespace shared by the named arrays (``None`` entries are skipped).
+def namespace_of(
+    arrays: Mapping[str, Array | None], /, *, optional: Collection[str] = ()
+) -> Namespace:
+    """The one array namespace shared by the named arrays.
+
+    ``None`` is accepted only for the names in ``optional`` (and then skipped).
 
     Raises
     ------
     TypeError
-        If an argument is not an array, or the arrays come from different libraries.
+        If an argument is not an array (or ``None`` where an array is required), or the
+        arrays come from different libraries.
     """
-    present = {name: a for name, a in arrays.items() if a is not None}
-    for name, a in present.items():
-        if not array_api_compat.is_array_api_obj(a):
+    present = {}
+    for name, a in arrays.items():
+        if a is None and name in optional:
+            continue
+        if a is None or not array_api_compat.is_array_api_obj(a):
             raise TypeError(
                 f"{name} must be an array (NumPy, CuPy, PyTorch, JAX, Dask or an "
                 f"array-API array); got {type(a).__name__}"
             )
+        present[name] = a
     try:
         return array_api_compat.array_namespace(*present.values())
     except TypeError:
@@ -148,10 +156,3 @@ def to_host(x: Array) -> np.ndarray:
         # Libraries that refuse an implicit host copy (array-api-strict off its
         # default device) still speak DLPack.
         return np.from_dlpack(x).copy()
-
-
-def is_float_scalar(value: object) -> bool:
-    """True for a real Python/NumPy number that is finite."""
-    return isinstance(value, int | float | np.floating | np.integer) and math.isfinite(
-        float(value)
-    )

@@ -13,7 +13,7 @@ import numpy as np
 
 from linattn import _dispatch
 from linattn import causal as causal_path
-from linattn._checks import check_attention_inputs, check_chunk_size
+from linattn._checks import check_attention_inputs, check_chunk_size, check_scale
 from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, from_host
 from linattn.features import FeatureMap, Kind
 from linattn.state import LinearAttentionState, empty_state
@@ -63,7 +63,7 @@ def softmax_attention(
     """
     info = check_attention_inputs(q, k, v, key_mask=key_mask, causal=causal, head_dim=None)
     xp = info.xp
-    scale = _check_scale(scale, info.xp, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
     work = compute_dtype(xp, info.dtype)
     q, k, v = (xp.astype(a, work) for a in (q, k, v))
     k, v = drop_masked_keys(xp, k, v, key_mask)
@@ -438,18 +438,6 @@ def favor_attention(
         chunk_size=chunk_size,
         backend=backend,
     )
-
-
-def _check_scale(scale: object, xp: Any, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, int | float | np.floating | np.integer)
-        or not (math.isfinite(scale) and scale > 0)
-    ):
-        raise ValueError(f"scale must be a positive finite number; got {scale!r}")
-    return float(scale)
 
 
 def _state_arrays(state: object) -> dict[str, Array]:

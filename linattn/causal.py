@@ -21,24 +21,39 @@ on earlier chunks only.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from linattn._xp import Array, Namespace, constant, from_host, safe_shift
 from linattn.state import absorb_keys
 
-__all__ = ["bidirectional", "causal", "normalise", "readout"]
+__all__ = [
+    "ChunkShifts",
+    "bidirectional",
+    "causal",
+    "chunk_shifts",
+    "normalise",
+    "pair_products",
+    "query_factors",
+    "readout",
+]
 
 
 def readout(
     xp: Namespace, kv: Array, log_shift: Array, log_phi_q: Array, sign_q: Array | None
 ) -> Array:
     """Queries against a state: ``u^T S`` with ``u = exp(l(q) + mu - F)``, ``(..., L, d_v+1)``."""
+    return xp.matmul(query_factors(xp, log_shift, log_phi_q, sign_q), kv)
+
+
+def query_factors(
+    xp: Namespace, log_shift: Array, log_phi_q: Array, sign_q: Array | None
+) -> Array:
+    """``u_t = exp(l(q_t) + mu - F_t)`` (times signs), ``F_t = max_r (l(q_t)_r + mu_r)``."""
     shifted = log_phi_q + safe_shift(xp, log_shift)[..., None, :]
-    row_max = safe_shift(xp, xp.max(shifted, axis=-1, keepdims=True))
-    u = xp.exp(shifted - row_max)
-    if sign_q is not None:
-        u = sign_q * u
-    return xp.matmul(u, kv)
+    u = xp.exp(shifted - safe_shift(xp, xp.max(shifted, axis=-1, keepdims=True)))
+    return u if sign_q is None else sign_q * u
 
 
 def bidirectional(
@@ -110,25 +125,29 @@ def causal(
     return outputs, kv, log_shift
 
 
-def _chunk_outputs(
+class ChunkShifts(NamedTuple):
+    """The stabilised factors of one chunk (module docstring); shared with the VJP."""
+
+    u: Array  # exp(l(q_t) + mu - F_t) (times signs), (..., C, m)
+    psi: Array  # exp(l(k_j) - mu - G_j) (times signs), (..., C, m)
+    weights: Array  # exp(G_j - Gmax_t) for j <= t, 0 above the diagonal, (..., C, C)
+    state_weight: Array  # exp(-Gmax_t) (or 0 for an empty state), (..., C, 1)
+    lower: Array  # j <= t, (C, C)
+
+
+def chunk_shifts(
     xp: Namespace,
-    kv: Array,
     log_shift: Array,
     log_phi_q: Array,
     sign_q: Array | None,
     log_phi_k: Array,
     sign_k: Array | None,
-    values_aug: Array,
     lower: Array,
-) -> Array:
-    """Unnormalised outputs of one chunk: state term plus masked intra-chunk term."""
+) -> ChunkShifts:
+    """Query and key factors of a chunk and its pair weights, stabilised by tokens ``<= t``."""
     neg_inf = constant(xp, -float("inf"), log_shift)
     mu = safe_shift(xp, log_shift)[..., None, :]
-    # Queries, shifted per row.
-    shifted_q = log_phi_q + mu
-    u = xp.exp(shifted_q - safe_shift(xp, xp.max(shifted_q, axis=-1, keepdims=True)))
-    if sign_q is not None:
-        u = sign_q * u
+    u = query_factors(xp, log_shift, log_phi_q, sign_q)
     # Keys, shifted per key by their own largest excess over the state's maximum.
     shifted_k = log_phi_k - mu
     key_excess = xp.max(shifted_k, axis=-1)  # G_j, (..., C)
@@ -145,9 +164,36 @@ def _chunk_outputs(
     running = safe_shift(
         xp, xp.maximum(xp.max(visible_excess, axis=-1), state_floor)
     )  # Gmax_t, (..., C)
-    intra = xp.matmul(u, xp.matrix_transpose(psi)) * xp.exp(visible_excess - running[..., None])
+    weights = xp.exp(visible_excess - running[..., None])
     state_weight = xp.exp(state_floor - running)[..., None]
-    return state_weight * xp.matmul(u, kv) + xp.matmul(intra, values_aug)
+    return ChunkShifts(u, psi, weights, state_weight, lower)
+
+
+def pair_products(xp: Namespace, shifts: ChunkShifts, a: Array, b: Array) -> Array:
+    """``a b^T`` times the pair weights, *selected* to 0 for keys after the query.
+
+    Selection, not multiplication by ``exp(-inf) = 0``: a later key whose log-feature
+    is NaN or ``+inf`` makes its column NaN, and ``NaN * 0`` would reach earlier rows.
+    """
+    products = xp.matmul(a, xp.matrix_transpose(b)) * shifts.weights
+    return xp.where(shifts.lower, products, constant(xp, 0.0, products))
+
+
+def _chunk_outputs(
+    xp: Namespace,
+    kv: Array,
+    log_shift: Array,
+    log_phi_q: Array,
+    sign_q: Array | None,
+    log_phi_k: Array,
+    sign_k: Array | None,
+    values_aug: Array,
+    lower: Array,
+) -> Array:
+    """Unnormalised outputs of one chunk: state term plus masked intra-chunk term."""
+    shifts = chunk_shifts(xp, log_shift, log_phi_q, sign_q, log_phi_k, sign_k, lower)
+    intra = pair_products(xp, shifts, shifts.u, shifts.psi)
+    return shifts.state_weight * xp.matmul(shifts.u, kv) + xp.matmul(intra, values_aug)
 
 
 def normalise(xp: Namespace, outputs_aug: Array) -> Array:

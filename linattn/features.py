@@ -1,22 +1,27 @@
 """Feature maps: queries and keys to (log-)features whose inner products estimate a kernel.
 
 Every map works in **log-features** ``l(x) = log phi(x)``: the attention code takes
-log-features and does all stabilisation there (``MATH.md`` sections 1 and 4).
+log-features and does all stabilisation there (``docs/algorithm.md``, sections
+"Feature maps" and "Stabilisation in log space").  What differs between kinds lives in
+:mod:`linattn._kinds`, one object per kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import secrets
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import array_api_compat
 import numpy as np
 
-from linattn._checks import check_key_mask
-from linattn._xp import Array, compute_dtype, constant, float_dtype, from_host, namespace_of
-from linattn.projections import Norms, gaussian_projection
+from linattn._checks import check_key_mask, check_scale, key_mask_batch_shape
+from linattn._kinds import KIND_SPECS, FeatureKind, kind_spec
+from linattn._xp import Array, compute_dtype, float_dtype, from_host, namespace_of, to_host
+from linattn.projections import MAX_PROJECTION_SIZE, Norms, gaussian_projection
 
 __all__ = ["KINDS", "FeatureMap"]
 
@@ -33,29 +38,24 @@ Kind = Literal[
 
 #: Feature kinds: ``(uses a random projection, projection rows per output feature)``.
 KINDS: dict[str, tuple[bool, int]] = {
-    "positive": (True, 1),
-    "hyperbolic": (True, 2),
-    "oprf": (True, 1),
-    "hyperbolic_oprf": (True, 2),
-    "trigonometric": (True, 2),
-    "random_relu": (True, 1),
-    "elu": (False, 1),
-    "relu": (False, 1),
+    name: (spec.random, spec.rows_per_feature) for name, spec in KIND_SPECS.items()
 }
 
 #: Kinds whose features estimate the softmax kernel exp(x^T y) without bias.
-SOFTMAX_KINDS = ("positive", "hyperbolic", "oprf", "hyperbolic_oprf", "trigonometric")
+SOFTMAX_KINDS = tuple(name for name, spec in KIND_SPECS.items() if spec.softmax)
 #: Kinds with the OPRF (FAVOR++) parameter A.
-OPRF_KINDS = ("oprf", "hyperbolic_oprf")
-#: Kinds with antithetic +-w pairs.
-ANTITHETIC_KINDS = ("hyperbolic", "hyperbolic_oprf")
+OPRF_KINDS = tuple(name for name, spec in KIND_SPECS.items() if spec.oprf)
+
+#: The most negative OPRF ``A`` accepted.  ``A* ~ -rho / 4`` for large ``rho =
+#: E|x + y|^2 / d``; ``A < -1e4`` means ``rho > 4e4``: scaled logits with a standard
+#: deviation above ``2e4``, beyond the exponent range of every float type, where no
+#: random-feature estimate means anything (and ``B = sqrt(1 - 4A)`` overflows soon after).
+MIN_OPRF_A = -1e4
 
 Role = Literal["query", "key"]
 
-#: Added to ReLU features so that attention denominators stay positive.
-RELU_EPSILON = 1e-3
 
-
+@dataclass(frozen=True, eq=False, init=False, repr=False, slots=True)
 class FeatureMap:
     """An immutable random-feature map for linear attention.
 
@@ -117,21 +117,6 @@ class FeatureMap:
     1
     """
 
-    __slots__ = (
-        "_fingerprint",
-        "_projection",
-        "_rebalance_scales",
-        "head_dim",
-        "kind",
-        "norms",
-        "num_features",
-        "oprf_a",
-        "orthogonal",
-        "rebalance",
-        "scale",
-        "seed",
-    )
-
     head_dim: int
     num_features: int
     kind: str
@@ -159,19 +144,19 @@ class FeatureMap:
     ) -> None:
         _check_positive_int("head_dim", head_dim)
         _check_positive_int("num_features", num_features)
-        random, rows_per_feature = _check_kind(kind)
+        spec = kind_spec(kind)
         if head_dim * num_features > MAX_PROJECTION_SIZE:
             raise ValueError(
                 f"num_features x head_dim must be at most {MAX_PROJECTION_SIZE} (a "
                 f"{8 * MAX_PROJECTION_SIZE // 2**30} GiB projection); got "
                 f"{num_features} x {head_dim}"
             )
-        if num_features % rows_per_feature:
+        if num_features % spec.rows_per_feature:
             raise ValueError(
                 f"num_features must be even for kind={kind!r} (it uses num_features / 2 "
                 f"projection rows); got {num_features}"
             )
-        if not random and num_features != head_dim:
+        if not spec.random and num_features != head_dim:
             raise ValueError(
                 f"num_features must equal head_dim for the deterministic kind {kind!r}; "
                 f"got num_features={num_features}, head_dim={head_dim}"
@@ -181,15 +166,15 @@ class FeatureMap:
         if not isinstance(orthogonal, bool | np.bool_):
             raise TypeError(f"orthogonal must be True or False; got {orthogonal!r}")
         projection = None
-        if random:
+        if spec.random:
             projection = gaussian_projection(
-                num_features // rows_per_feature,
+                num_features // spec.rows_per_feature,
                 head_dim,
-                orthogonal=orthogonal,
+                orthogonal=bool(orthogonal),
                 norms=norms,
                 seed=int(seed),
             )
-        self._init(
+        self._assign(
             head_dim=head_dim,
             num_features=num_features,
             kind=kind,
@@ -201,7 +186,7 @@ class FeatureMap:
             rebalance=rebalance,
         )
 
-    def _init(
+    def _assign(
         self,
         *,
         head_dim: int,
@@ -214,87 +199,65 @@ class FeatureMap:
         projection: np.ndarray | None,
         rebalance: bool = False,
         oprf_a: float | None = None,
-        rebalance_scales: np.ndarray | None = None,
+        rebalance_scales: Any = None,
     ) -> None:
+        """Check the statistics and scale, freeze the arrays and set every field once."""
+        spec = kind_spec(kind)
         if not isinstance(rebalance, bool):
             raise TypeError(f"rebalance must be True or False; got {rebalance!r}")
-        if rebalance and kind not in SOFTMAX_KINDS:
+        if rebalance and not spec.softmax:
             raise ValueError(
                 f"rebalance=True needs a softmax-estimating kind {SOFTMAX_KINDS}; got {kind!r}"
             )
         if oprf_a is not None:
-            if kind not in OPRF_KINDS:
-                raise ValueError(f"oprf_a applies to kinds {OPRF_KINDS}; got kind={kind!r}")
-            if not (isinstance(oprf_a, int | float | np.floating) and oprf_a < 0.125):
-                raise ValueError(
-                    f"oprf_a must be a number below 1/8 (finite variance); got {oprf_a!r}"
-                )
-            oprf_a = float(oprf_a)
+            oprf_a = _check_oprf_a(oprf_a, kind)
         if rebalance_scales is not None:
             if not rebalance:
                 raise ValueError("rebalance_scales need a map made with rebalance=True")
-            rebalance_scales = np.array(rebalance_scales, dtype=np.float64, copy=True)
-            if rebalance_scales.shape != (head_dim,) or not np.all(
-                np.isfinite(rebalance_scales) & (rebalance_scales > 0)
-            ):
-                raise ValueError(
-                    f"rebalance_scales must be {head_dim} positive finite numbers; got "
-                    f"shape {rebalance_scales.shape}"
-                )
-            rebalance_scales.setflags(write=False)
-        if scale is None:
-            scale = 1.0 / math.sqrt(head_dim)
-        if (
-            isinstance(scale, bool)
-            or not isinstance(scale, int | float | np.floating)
-            or not (math.isfinite(scale) and scale > 0)
-        ):
-            raise ValueError(f"scale must be a positive finite number; got {scale!r}")
+            rebalance_scales = _frozen(_check_rebalance_scales(rebalance_scales, head_dim))
+        scale = check_scale(scale, head_dim)
         if projection is not None:
-            projection = np.array(projection, dtype=np.float64, copy=True)
-            projection.setflags(write=False)
+            projection = _frozen(np.array(projection, dtype=np.float64, copy=True))
         digest = hashlib.sha256(
-            f"{kind}|{float(scale)!r}|{head_dim}|{num_features}|{rebalance}|{oprf_a!r}".encode()
+            f"{kind}|{scale!r}|{head_dim}|{num_features}|{rebalance}|{oprf_a!r}".encode()
         )
         for part in (projection, rebalance_scales):
             if part is not None:
                 digest.update(part.tobytes())
-        setter = object.__setattr__
-        setter(self, "head_dim", int(head_dim))
-        setter(self, "num_features", int(num_features))
-        setter(self, "kind", kind)
-        setter(self, "orthogonal", orthogonal)
-        setter(self, "norms", norms)
-        setter(self, "scale", float(scale))
-        setter(self, "seed", seed)
-        setter(self, "rebalance", rebalance)
-        setter(self, "oprf_a", oprf_a)
-        setter(self, "_projection", projection)
-        setter(self, "_rebalance_scales", rebalance_scales)
-        setter(self, "_fingerprint", digest.hexdigest()[:16])
+        fields = {
+            "head_dim": int(head_dim),
+            "num_features": int(num_features),
+            "kind": kind,
+            "orthogonal": orthogonal,
+            "norms": norms,
+            "scale": scale,
+            "seed": seed,
+            "rebalance": rebalance,
+            "oprf_a": oprf_a,
+            "_projection": projection,
+            "_rebalance_scales": rebalance_scales,
+            "_fingerprint": digest.hexdigest()[:16],
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     def _fields(self) -> dict[str, Any]:
-        return {
-            "head_dim": self.head_dim,
-            "num_features": self.num_features,
-            "kind": self.kind,
-            "orthogonal": self.orthogonal,
-            "norms": self.norms,
-            "scale": self.scale,
-            "seed": self.seed,
-            "projection": self._projection,
-            "rebalance": self.rebalance,
-            "oprf_a": self.oprf_a,
-            "rebalance_scales": self._rebalance_scales,
-        }
+        """The keyword arguments of :meth:`_assign` that rebuild this map."""
+        fields = {f.name.lstrip("_"): getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["fingerprint"]
+        return fields
 
     def _replace(self, **changes: Any) -> FeatureMap:
-        new = FeatureMap.__new__(FeatureMap)
-        new._init(**{**self._fields(), **changes})
-        return new
+        return _restore({**self._fields(), **changes})
 
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        # Rebuilt through _assign, so the arrays are read-only again after unpickling.
         return _restore, (self._fields(),)
+
+    @property
+    def spec(self) -> FeatureKind:
+        """The :class:`linattn._kinds.FeatureKind` that computes this map's features."""
+        return KIND_SPECS[self.kind]
 
     @classmethod
     def from_projection(
@@ -326,10 +289,8 @@ class FeatureMap:
         >>> fm.num_features, fm.head_dim
         (8, 4)
         """
-        from linattn._xp import to_host
-
-        random, rows_per_feature = _check_kind(kind)
-        if not random:
+        spec = kind_spec(kind)
+        if not spec.random:
             raise ValueError(
                 f"kind must be a random feature kind to adopt a projection; got {kind!r}"
             )
@@ -343,18 +304,18 @@ class FeatureMap:
             raise ValueError(
                 f"matrix must hold finite real floating values; got dtype {host.dtype}"
             )
-        self = cls.__new__(cls)
-        self._init(
-            head_dim=host.shape[1],
-            num_features=host.shape[0] * rows_per_feature,
-            kind=kind,
-            orthogonal=False,
-            norms="chi",
-            scale=scale,
-            seed=None,
-            projection=host,
+        return _restore(
+            {
+                "head_dim": host.shape[1],
+                "num_features": host.shape[0] * spec.rows_per_feature,
+                "kind": kind,
+                "orthogonal": False,
+                "norms": "chi",
+                "scale": scale,
+                "seed": None,
+                "projection": host,
+            }
         )
-        return self
 
     def redraw(self, *, seed: int | None = None) -> FeatureMap:
         """A new map of the same kind, size and scale with a freshly drawn projection.
@@ -391,7 +352,7 @@ class FeatureMap:
     @property
     def needs_calibration(self) -> bool:
         """True while an OPRF ``A`` or rebalancing scales are still to be computed."""
-        return (self.kind in OPRF_KINDS and self.oprf_a is None) or (
+        return (self.spec.oprf and self.oprf_a is None) or (
             self.rebalance and self._rebalance_scales is None
         )
 
@@ -428,7 +389,7 @@ class FeatureMap:
         """
         from linattn.calibration import oprf_optimal_a, query_key_statistics, rebalance_scales
 
-        xp = namespace_of(q=q, k=k, key_mask=key_mask)
+        xp = namespace_of({"q": q, "k": k, "key_mask": key_mask}, optional=("key_mask",))
         for name, x in (("q", q), ("k", k)):
             float_dtype(xp, name, x)
             if x.ndim < 2 or x.shape[-1] != self.head_dim or x.shape[-2] == 0:
@@ -438,6 +399,7 @@ class FeatureMap:
                 )
         if key_mask is not None:
             check_key_mask(xp, key_mask, k.shape[-2])
+            key_mask_batch_shape(key_mask, k)
         root = math.sqrt(self.scale)
         stats = query_key_statistics(
             xp, xp.astype(q, xp.float64) * root, xp.astype(k, xp.float64) * root, key_mask
@@ -458,8 +420,15 @@ class FeatureMap:
                 stats.query_energy * psi**2,
                 stats.key_energy / psi**2,
             )
-        if self.kind in OPRF_KINDS:
+        if self.spec.oprf:
             changes["oprf_a"] = oprf_optimal_a(stats.rho)
+            if changes["oprf_a"] < MIN_OPRF_A:
+                raise ValueError(
+                    f"calibrate needs q and k of moderate size: their statistics give "
+                    f"rho = E|x + y|^2 / d = {stats.rho:.3g} (scaled inputs), above "
+                    f"{-4 * MIN_OPRF_A:.0e}, where softmax is a hard maximum and no random "
+                    "feature estimate is meaningful"
+                )
         return self._replace(**changes)
 
     def with_statistics(
@@ -480,9 +449,6 @@ class FeatureMap:
             changes["rebalance_scales"] = rebalance_scales
         return self._replace(**changes)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"FeatureMap is immutable; use redraw() for new features ({name})")
-
     def __repr__(self) -> str:
         return (
             f"FeatureMap(head_dim={self.head_dim}, num_features={self.num_features}, "
@@ -499,13 +465,13 @@ class FeatureMap:
 
     @property
     def fingerprint(self) -> str:
-        """A short digest of kind, scale and projection; states remember it."""
+        """A short digest of kind, scale, statistics and projection; states remember it."""
         return self._fingerprint
 
     @property
     def is_positive(self) -> bool:
         """True when every feature is positive (all kinds but ``"trigonometric"``)."""
-        return self.kind != "trigonometric"
+        return self.spec.positive
 
     # -- features -------------------------------------------------------------------
 
@@ -555,8 +521,57 @@ class FeatureMap:
         This is what the attention code consumes: magnitudes in log space (where all
         stabilisation happens) and, for trigonometric features only, their signs.
         ``role`` says whether ``x`` holds queries or keys; rebalanced maps need it.
+        An input whose squared norm overflows gets log-features ``-inf`` (its true
+        features lie below the float range), never NaN.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import linattn as la
+        >>> fm = la.FeatureMap(4, 8, kind="trigonometric", seed=0)
+        >>> log_abs, sign = fm.signed_log_features(np.ones((2, 4)))
+        >>> log_abs.shape, sorted(set(sign.ravel().tolist())) <= [-1.0, 1.0]
+        ((2, 8), True)
         """
-        xp = namespace_of(x=x)
+        xp, x = self._check_input(x, role)
+        if not self.spec.random:
+            return self.spec.log_features(xp, self, x, None, None)
+        x = self._scaled(xp, x, role)
+        proj = xp.matmul(x, xp.matrix_transpose(self._projection_like(xp, x)))
+        half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
+        return self.spec.log_features(xp, self, x, proj, half_norm)
+
+    def log_features_vjp(self, x: Array, d_log: Array, /, *, role: Role | None = None) -> Array:
+        """``dx`` from the cotangent ``d_log`` of :meth:`signed_log_features` (magnitudes).
+
+        The projection, OPRF's ``A`` and the rebalancing ``Psi`` are constants
+        (a fixed draw and statistics, not parameters).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import linattn as la
+        >>> fm = la.FeatureMap(4, 8, seed=0)
+        >>> x, d = np.ones((1, 4)), np.ones((1, 8))
+        >>> eps = 1e-7; x2 = x.copy(); x2[0, 2] += eps
+        >>> slope = (fm.log_features(x2) - fm.log_features(x)).sum() / eps
+        >>> bool(abs(slope - fm.log_features_vjp(x, d)[0, 2]) < 1e-5)
+        True
+        """
+        xp, x = self._check_input(x, role)
+        x = xp.astype(x, d_log.dtype, copy=False)
+        if not self.spec.random:
+            return self.spec.vjp(xp, self, x, None, d_log)[0]
+        factor = self._input_factor(xp, x, role)
+        x = x * factor
+        projection = self._projection_like(xp, x)
+        proj = xp.matmul(x, xp.matrix_transpose(projection))
+        d_proj, d_half_norm = self.spec.vjp(xp, self, x, proj, d_log)
+        return factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
+
+    def _check_input(self, x: Array, role: object) -> tuple[Any, Array]:
+        """The namespace and ``x`` in the compute dtype, after every check on ``x``."""
+        xp = namespace_of({"x": x})
         dtype = float_dtype(xp, "x", x)
         if x.ndim < 1 or x.shape[-1] != self.head_dim:
             raise ValueError(
@@ -571,77 +586,79 @@ class FeatureMap:
                 " needs query/key statistics: expected a map from calibrate(q, k) or "
                 "with_statistics(...), got one without them"
             )
-        x = xp.astype(x, compute_dtype(xp, dtype), copy=False)
-        kind = self.kind
-        if kind == "elu":
-            zero = xp.zeros_like(x)
-            return xp.where(x > 0, xp.log1p(xp.maximum(x, zero)), xp.minimum(x, zero)), None
-        if kind == "relu":
-            return xp.log(xp.maximum(x, xp.zeros_like(x)) + RELU_EPSILON), None
-        x = x * math.sqrt(self.scale)
+        if self._rebalance_scales is not None and role is None:
+            raise ValueError(
+                "role must be 'query' or 'key' for a rebalanced feature map; got None"
+            )
+        return xp, xp.astype(x, compute_dtype(xp, dtype), copy=False)
+
+    def _input_factor(self, xp: Any, x: Array, role: object) -> Any:
+        """``sqrt(scale)``, times ``Psi`` for rebalanced queries or ``1 / Psi`` for keys."""
+        factor: Any = math.sqrt(self.scale)
         if self._rebalance_scales is not None:
-            if role is None:
-                raise ValueError(
-                    "role must be 'query' or 'key' for a rebalanced feature map; got None"
-                )
             psi = from_host(
                 xp, self._rebalance_scales, dtype=x.dtype, device=array_api_compat.device(x)
             )
-            x = x * psi if role == "query" else x / psi
-        projection = self._projection_like(xp, x)
-        proj = xp.matmul(x, xp.matrix_transpose(projection))
-        half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        log_m = 0.5 * math.log(self.num_features)
-        if kind == "random_relu":
-            return xp.log(xp.maximum(proj, xp.zeros_like(proj)) + RELU_EPSILON), None
-        if kind == "trigonometric":
-            # [cos, sin](w^T x) * exp(|x|^2 / 2) / sqrt(m / 2)
-            trig = xp.concat([xp.cos(proj), xp.sin(proj)], axis=-1)
-            size = xp.abs(trig)  # log 0 = -inf without a warning (w^T x = 0 for x = 0)
-            nonzero = size > 0
-            one, neg_inf = constant(xp, 1.0, size), constant(xp, -math.inf, size)
-            log_size = xp.where(nonzero, xp.log(xp.where(nonzero, size, one)), neg_inf)
-            log_abs = log_size + half_norm - 0.5 * math.log(self.num_features / 2)
-            return log_abs, xp.sign(trig)
-        offset = -log_m
-        if kind in OPRF_KINDS:
-            # exp(A|w|^2 + B w^T x - |x|^2/2) (1 - 4A)^(d/4) is unbiased for B^2 = 1 - 4A.
-            assert self.oprf_a is not None and self._projection is not None
-            a = self.oprf_a
-            proj = math.sqrt(1.0 - 4.0 * a) * proj
-            offset += 0.25 * self.head_dim * math.log1p(-4.0 * a)
-        if kind in ANTITHETIC_KINDS:
-            proj = xp.concat([proj, -proj], axis=-1)
-        log_phi = proj - half_norm + offset
-        if kind in OPRF_KINDS:
-            energy = self.oprf_a * np.sum(self._projection**2, axis=1)  # type: ignore[operator]
-            if kind in ANTITHETIC_KINDS:
-                energy = np.concatenate([energy, energy])
-            log_phi = log_phi + from_host(
-                xp, energy, dtype=x.dtype, device=array_api_compat.device(x)
-            )
-        return log_phi, None
+            factor = factor * (psi if role == "query" else 1.0 / psi)
+        return factor
+
+    def _scaled(self, xp: Any, x: Array, role: object) -> Array:
+        return x * self._input_factor(xp, x, role)
 
     def _projection_like(self, xp: Any, x: Array) -> Array:
         assert self._projection is not None
         return from_host(xp, self._projection, dtype=x.dtype, device=array_api_compat.device(x))
 
 
-#: Largest projection (entries) a FeatureMap draws: 2 GiB of float64.
-MAX_PROJECTION_SIZE = 2**28
+def _refuse_assignment(self: FeatureMap, name: str, value: object) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"FeatureMap is immutable; use redraw() for new features ({name})"
+    )
+
+
+# The frozen dataclass refuses assignment already; this says what to do instead.
+FeatureMap.__setattr__ = _refuse_assignment  # type: ignore[assignment,method-assign]
 
 
 def _restore(fields: dict[str, Any]) -> FeatureMap:
-    """Unpickle a FeatureMap (it travels to Dask workers and subprocesses)."""
-    new = FeatureMap.__new__(FeatureMap)
-    new._init(**fields)
+    """A FeatureMap from its fields (unpickling, copies with new statistics, adoption)."""
+    new = object.__new__(FeatureMap)
+    new._assign(**fields)
     return new
 
 
-def _check_kind(kind: object) -> tuple[bool, int]:
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
-    return KINDS[kind]
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
+
+
+def _check_oprf_a(oprf_a: object, kind: str) -> float:
+    if not kind_spec(kind).oprf:
+        raise ValueError(f"oprf_a applies to kinds {OPRF_KINDS}; got kind={kind!r}")
+    if (
+        isinstance(oprf_a, bool)
+        or not isinstance(oprf_a, int | float | np.floating | np.integer)
+        or not (MIN_OPRF_A <= oprf_a < 0.125)
+    ):
+        raise ValueError(
+            f"oprf_a must be a number below 1/8 (finite variance) and at least "
+            f"{MIN_OPRF_A:g} (see MIN_OPRF_A); got {oprf_a!r}"
+        )
+    return float(oprf_a)
+
+
+def _check_rebalance_scales(scales: Any, head_dim: int) -> np.ndarray:
+    host = to_host(scales) if array_api_compat.is_array_api_obj(scales) else np.asarray(scales)
+    if host.dtype.kind not in "iuf":
+        raise TypeError(
+            f"rebalance_scales must be {head_dim} real numbers; got dtype {host.dtype}"
+        )
+    host = np.array(host, dtype=np.float64, copy=True)
+    if host.shape != (head_dim,) or not np.all(np.isfinite(host) & (host > 0)):
+        raise ValueError(
+            f"rebalance_scales must be {head_dim} positive finite numbers; got shape {host.shape}"
+        )
+    return host
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -11,9 +11,12 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["gaussian_projection", "haar_orthogonal"]
+__all__ = ["MAX_PROJECTION_SIZE", "gaussian_projection", "haar_orthogonal"]
 
 Norms = Literal["chi", "fixed"]
+
+#: Largest projection (entries) drawn: 2 GiB of float64.
+MAX_PROJECTION_SIZE = 2**28
 
 
 def haar_orthogonal(dim: int, rng: np.random.Generator) -> np.ndarray:
@@ -82,12 +85,20 @@ def gaussian_projection(
     >>> bool(np.allclose(block @ block.T, np.eye(4)))
     True
     """
-    if not isinstance(num_rows, int | np.integer) or num_rows < 1:
-        raise ValueError(f"num_rows must be a positive integer; got {num_rows!r}")
-    if not isinstance(dim, int | np.integer) or dim < 1:
-        raise ValueError(f"dim must be a positive integer; got {dim!r}")
+    for name, value in (("num_rows", num_rows), ("dim", dim)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    if num_rows * dim > MAX_PROJECTION_SIZE:
+        raise ValueError(
+            f"num_rows x dim must be at most {MAX_PROJECTION_SIZE} (a "
+            f"{8 * MAX_PROJECTION_SIZE // 2**30} GiB projection); got {num_rows} x {dim}"
+        )
+    if not isinstance(orthogonal, bool | np.bool_):
+        raise TypeError(f"orthogonal must be True or False; got {orthogonal!r}")
     if norms not in ("chi", "fixed"):
         raise ValueError(f"norms must be 'chi' or 'fixed'; got {norms!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
     rng = np.random.default_rng(seed)
     if orthogonal:
         num_blocks = -(-num_rows // dim)

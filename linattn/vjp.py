@@ -16,7 +16,6 @@ exact.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
@@ -25,7 +24,8 @@ from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype, from_host
 from linattn._xp import safe_shift as _safe
 from linattn.attention import attend, attention_operands, drop_masked_keys
-from linattn.features import RELU_EPSILON, FeatureMap
+from linattn.causal import chunk_shifts, pair_products, query_factors
+from linattn.features import FeatureMap
 from linattn.state import absorb_keys, empty_state
 
 __all__ = ["linear_attention_vjp"]
@@ -151,8 +151,8 @@ def linear_attention_vjp(
             d_lq, d_lk, d_va = causal_vjp(
                 xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, d_outputs_aug, chunk_size
             )
-    dq = _feature_vjp(xp, feature_map, q, d_lq, "query")
-    dk = _feature_vjp(xp, feature_map, k, d_lk, "key")
+    dq = feature_map.log_features_vjp(q, d_lq, role="query")
+    dk = feature_map.log_features_vjp(k, d_lk, role="key")
     d_values = d_va[..., :dv]
     q, k, v = inputs  # gradients in the callers' dtypes
     return (
@@ -192,10 +192,7 @@ def _bidirectional_vjp(
     kv, log_shift = empty_state(xp, batch, m, width - 1, log_phi_q)
     kv, log_shift = absorb_keys(xp, kv, log_shift, log_phi_k, sign_k, values_aug)
     mu = _safe(xp, log_shift)[..., None, :]
-    shifted = log_phi_q + mu
-    u = xp.exp(shifted - _safe(xp, xp.max(shifted, axis=-1, keepdims=True)))
-    if sign_q is not None:
-        u = sign_q * u
+    u = query_factors(xp, log_shift, log_phi_q, sign_q)
     phi = xp.exp(log_phi_k - mu)
     if sign_k is not None:
         phi = sign_k * phi
@@ -294,27 +291,8 @@ def _chunk_vjp(
 ) -> tuple[tuple[Array, Array, Array], Array]:
     """Backward of one chunk of ``causal._chunk_outputs`` and of the state update after it."""
     kv, log_shift = state
-    neg_inf = constant(xp, -math.inf, log_shift)
-    mu = _safe(xp, log_shift)[..., None, :]
-    # The shifts of linattn.causal._chunk_outputs (see its module docstring).
-    shifted_q = log_phi_q + mu
-    u = xp.exp(shifted_q - _safe(xp, xp.max(shifted_q, axis=-1, keepdims=True)))
-    if sign_q is not None:
-        u = sign_q * u
-    shifted_k = log_phi_k - mu
-    key_excess = xp.max(shifted_k, axis=-1)
-    psi = xp.exp(shifted_k - _safe(xp, key_excess)[..., None])
-    if sign_k is not None:
-        psi = sign_k * psi
-    state_floor = xp.max(
-        xp.where(xp.isfinite(log_shift), constant(xp, 0.0, log_shift), neg_inf),
-        axis=-1,
-        keepdims=True,
-    )
-    visible_excess = xp.where(lower, key_excess[..., None, :], neg_inf)
-    running = _safe(xp, xp.maximum(xp.max(visible_excess, axis=-1), state_floor))
-    weights = xp.exp(visible_excess - running[..., None])
-    state_weight = xp.exp(state_floor - running)[..., None]
+    shifts = chunk_shifts(xp, log_shift, log_phi_q, sign_q, log_phi_k, sign_k, lower)
+    u, psi, state_weight = shifts.u, shifts.psi, shifts.state_weight
     # The state update's features and decay (linattn.state.absorb_keys).
     next_mu = _safe(xp, next_log_shift)
     phi = xp.exp(log_phi_k - next_mu[..., None, :])
@@ -322,58 +300,13 @@ def _chunk_vjp(
         phi = sign_k * phi
     decay = xp.exp(log_shift - next_mu)  # 0 where mu = -inf (no overflow to discard)
     t = xp.matrix_transpose
-    intra = xp.matmul(u, t(psi)) * weights
-    paired = xp.matmul(d_out, t(values_aug)) * weights
+    intra = pair_products(xp, shifts, u, psi)
+    paired = pair_products(xp, shifts, d_out, values_aug)
     d_lq = u * (state_weight * xp.matmul(d_out, t(kv)) + xp.matmul(paired, psi))
     d_lk = psi * xp.matmul(t(paired), u) + phi * xp.matmul(values_aug, t(d_state))
     d_va = xp.matmul(t(intra), d_out) + xp.matmul(phi, d_state)
     d_state = decay[..., None] * d_state + xp.matmul(t(u), state_weight * d_out)
     return (d_lq, d_lk, d_va), d_state
-
-
-def _feature_vjp(
-    xp: Namespace, feature_map: FeatureMap, x: Array, d_log: Array, role: str
-) -> Array:
-    """``dx`` from the cotangent of ``feature_map.signed_log_features(x, role=role)[0]``.
-
-    OPRF's ``A`` and the rebalancing ``Psi`` are constants (statistics, not parameters).
-    """
-    kind = feature_map.kind
-    x = xp.astype(x, d_log.dtype)
-    zero = constant(xp, 0.0, d_log)
-    one = constant(xp, 1.0, d_log)
-    if kind == "elu":  # log1p(x) for x > 0, x otherwise
-        return xp.where(x > 0, d_log / (one + xp.where(x > 0, x, zero)), d_log)
-    if kind == "relu":  # log(max(x, 0) + eps)
-        return xp.where(x > 0, d_log / (xp.maximum(x, zero) + RELU_EPSILON), zero)
-    # x_s = sqrt(scale) * Psi^(+-1) * x: the chain rule multiplies by the same factor.
-    factor: Any = math.sqrt(feature_map.scale)
-    psi = feature_map.rebalance_scales
-    if psi is not None:
-        psi_x = from_host(xp, psi, dtype=x.dtype, device=_device(x))
-        factor = factor * (psi_x if role == "query" else 1.0 / psi_x)
-    x = x * factor
-    projection = feature_map._projection_like(xp, x)
-    proj = xp.matmul(x, xp.matrix_transpose(projection))
-    total = xp.sum(d_log, axis=-1, keepdims=True)
-    slope = 1.0 if feature_map.oprf_a is None else math.sqrt(1.0 - 4.0 * feature_map.oprf_a)
-    if kind in ("positive", "oprf"):  # B w^T x (+ A|w|^2) - |x|^2 / 2
-        d_proj, d_half_norm = slope * d_log, total
-    elif kind in ("hyperbolic", "hyperbolic_oprf"):  # [B w^T x, -B w^T x] - |x|^2 / 2
-        half = proj.shape[-1]
-        d_proj, d_half_norm = slope * (d_log[..., :half] - d_log[..., half:]), total
-    elif kind == "random_relu":  # log(relu(w^T x) + eps)
-        d_proj = xp.where(proj > 0, d_log / (xp.maximum(proj, zero) + RELU_EPSILON), zero)
-        d_half_norm = zero
-    elif kind == "trigonometric":  # log|[cos, sin](w^T x)| + |x|^2 / 2
-        half = proj.shape[-1]
-        cos, sin = xp.cos(proj), xp.sin(proj)
-        d_cos = xp.where(cos == 0, zero, -d_log[..., :half] * sin / xp.where(cos == 0, one, cos))
-        d_sin = xp.where(sin == 0, zero, d_log[..., half:] * cos / xp.where(sin == 0, one, sin))
-        d_proj, d_half_norm = d_cos + d_sin, -total
-    else:
-        raise ValueError(f"feature_map.kind {kind!r} has no vector-Jacobian product")
-    return factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
 
 
 def _sum_to(xp: Namespace, grad: Array, shape: tuple[int, ...], dtype: object) -> Array:

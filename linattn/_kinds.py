@@ -1,0 +1,241 @@
+"""Feature kinds: one small object per kind, holding everything that differs between kinds.
+
+A kind turns inputs into log-features ``log phi(x)`` (and signs, for features that can
+be negative) and knows the vector-Jacobian product of that map.  Random kinds work on
+the projection ``p = W x_s`` and the half squared norm ``n = |x_s|^2 / 2`` of the
+scaled input ``x_s`` (:meth:`linattn.FeatureMap.signed_log_features` computes both);
+deterministic kinds work on ``x`` itself.  Adding a kind means adding one object to
+:data:`KIND_SPECS` (and, only if it should run in the fused CPU pass, a kernel).
+
+The formulas are in ``docs/algorithm.md`` (section "Feature maps").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from linattn._xp import Array, Namespace, constant, from_host
+
+if TYPE_CHECKING:
+    from linattn.features import FeatureMap
+
+__all__ = ["KIND_SPECS", "FeatureKind", "kind_spec"]
+
+#: Added to ReLU features so that attention denominators stay positive.
+RELU_EPSILON = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureKind:
+    """What one feature kind is and how it computes; subclasses implement the maps.
+
+    Attributes
+    ----------
+    name : str
+        The ``kind=`` string.
+    random : bool
+        Uses a random projection (``False``: a deterministic map of ``x``).
+    rows_per_feature : int
+        Projection rows per output feature: 2 for antithetic or sin/cos pairs.
+    softmax : bool
+        Estimates the softmax kernel ``exp(x^T y)`` without bias.
+    oprf : bool
+        Has FAVOR++'s parameter ``A`` (needs statistics).
+    positive : bool
+        Every feature is positive, so log-features exist (no signs).
+    fused : bool
+        The fused CPU kernel computes these features itself (``linattn_numba.cpu``).
+    """
+
+    name: str
+    random: bool = True
+    rows_per_feature: int = 1
+    softmax: bool = False
+    oprf: bool = False
+    positive: bool = True
+    fused: bool = False
+
+    def log_features(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+    ) -> tuple[Array, Array | None]:
+        """``(log|phi|, sign or None)`` from the input (deterministic) or its projection."""
+        raise NotImplementedError
+
+    def vjp(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+    ) -> tuple[Array, Array]:
+        """Cotangents ``(d_proj, d_half_norm)`` (random kinds) or ``(dx, 0)`` (deterministic)."""
+        raise NotImplementedError
+
+
+def _gaussian(proj: Array, half_norm: Array, offset: float, xp: Namespace) -> Array:
+    """``proj - half_norm + offset``, and exactly ``-inf`` where ``|x|^2 / 2`` overflowed.
+
+    The true value lies below ``|w| |x| - |x|^2 / 2``, far below the float range once
+    the squared norm overflows; computing it would give ``inf - inf = NaN`` instead.
+    NaN inputs stay NaN.
+    """
+    log_phi = proj - half_norm + offset
+    return xp.where(half_norm == math.inf, constant(xp, -math.inf, log_phi), log_phi)
+
+
+@dataclass(frozen=True, slots=True)
+class _Exponential(FeatureKind):
+    """``exp(B w^T x + A |w|^2 - |x|^2 / 2)``; FAVOR+ has ``A = 0``, ``B = 1``.
+
+    ``antithetic`` appends the features of ``-w`` (hyperbolic kinds).
+    """
+
+    antithetic: bool = False
+
+    def _slope(self, fm: FeatureMap) -> float:
+        return 1.0 if fm.oprf_a is None else math.sqrt(1.0 - 4.0 * fm.oprf_a)
+
+    def log_features(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+    ) -> tuple[Array, Array | None]:
+        assert proj is not None and half_norm is not None
+        offset = -0.5 * math.log(fm.num_features)
+        if self.oprf:
+            # (1 - 4A)^(d/4) exp(A|w|^2 + B w^T x - |x|^2/2) is unbiased for B^2 = 1 - 4A.
+            assert fm.oprf_a is not None
+            proj = self._slope(fm) * proj
+            offset += 0.25 * fm.head_dim * math.log1p(-4.0 * fm.oprf_a)
+        if self.antithetic:
+            proj = xp.concat([proj, -proj], axis=-1)
+        log_phi = _gaussian(proj, half_norm, offset, xp)
+        if self.oprf:
+            energy = fm.oprf_a * np.sum(fm.projection**2, axis=1)  # type: ignore[operator]
+            if self.antithetic:
+                energy = np.concatenate([energy, energy])
+            log_phi = log_phi + from_host(xp, energy, dtype=x.dtype, device=_device(x))
+        return log_phi, None
+
+    def vjp(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+    ) -> tuple[Array, Array]:
+        total = xp.sum(d_log, axis=-1, keepdims=True)
+        if self.antithetic:
+            half = d_log.shape[-1] // 2
+            d_log = d_log[..., :half] - d_log[..., half:]
+        return self._slope(fm) * d_log, total
+
+
+@dataclass(frozen=True, slots=True)
+class _Trigonometric(FeatureKind):
+    """``[cos, sin](w^T x) exp(|x|^2 / 2) / sqrt(m / 2)``: signed random Fourier features."""
+
+    def log_features(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+    ) -> tuple[Array, Array | None]:
+        assert proj is not None and half_norm is not None
+        trig = xp.concat([xp.cos(proj), xp.sin(proj)], axis=-1)
+        size = xp.abs(trig)  # log 0 = -inf without a warning (w^T x = 0 for x = 0)
+        nonzero = size > 0
+        one, neg_inf = constant(xp, 1.0, size), constant(xp, -math.inf, size)
+        log_size = xp.where(nonzero, xp.log(xp.where(nonzero, size, one)), neg_inf)
+        return log_size + half_norm - 0.5 * math.log(fm.num_features / 2), xp.sign(trig)
+
+    def vjp(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+    ) -> tuple[Array, Array]:
+        assert proj is not None
+        zero, one = constant(xp, 0.0, d_log), constant(xp, 1.0, d_log)
+        half = proj.shape[-1]
+        cos, sin = xp.cos(proj), xp.sin(proj)
+        d_cos = xp.where(cos == 0, zero, -d_log[..., :half] * sin / xp.where(cos == 0, one, cos))
+        d_sin = xp.where(sin == 0, zero, d_log[..., half:] * cos / xp.where(sin == 0, one, sin))
+        return d_cos + d_sin, -xp.sum(d_log, axis=-1, keepdims=True)
+
+
+def _log_relu(xp: Namespace, z: Array) -> Array:
+    return xp.log(xp.maximum(z, xp.zeros_like(z)) + RELU_EPSILON)
+
+
+def _log_relu_vjp(xp: Namespace, z: Array, d_log: Array) -> Array:
+    zero = constant(xp, 0.0, d_log)
+    return xp.where(z > 0, d_log / (xp.maximum(z, zero) + RELU_EPSILON), zero)
+
+
+@dataclass(frozen=True, slots=True)
+class _RandomReLU(FeatureKind):
+    """``relu(w^T x) + 1e-3``: Performer's "generalized" kernel, not softmax."""
+
+    def log_features(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+    ) -> tuple[Array, Array | None]:
+        assert proj is not None
+        return _log_relu(xp, proj), None
+
+    def vjp(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+    ) -> tuple[Array, Array]:
+        assert proj is not None
+        return _log_relu_vjp(xp, proj, d_log), constant(xp, 0.0, d_log)
+
+
+@dataclass(frozen=True, slots=True)
+class _ReLU(FeatureKind):
+    """``relu(x) + 1e-3`` (deterministic)."""
+
+    def log_features(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+    ) -> tuple[Array, Array | None]:
+        return _log_relu(xp, x), None
+
+    def vjp(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+    ) -> tuple[Array, Array]:
+        return _log_relu_vjp(xp, x, d_log), constant(xp, 0.0, d_log)
+
+
+@dataclass(frozen=True, slots=True)
+class _ELU(FeatureKind):
+    """``elu(x) + 1``: ``log1p(x)`` for ``x > 0``, ``x`` otherwise (deterministic)."""
+
+    def log_features(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+    ) -> tuple[Array, Array | None]:
+        zero = xp.zeros_like(x)
+        return xp.where(x > 0, xp.log1p(xp.maximum(x, zero)), xp.minimum(x, zero)), None
+
+    def vjp(
+        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+    ) -> tuple[Array, Array]:
+        zero, one = constant(xp, 0.0, d_log), constant(xp, 1.0, d_log)
+        return xp.where(x > 0, d_log / (one + xp.where(x > 0, x, zero)), d_log), zero
+
+
+#: Every kind, by name.
+KIND_SPECS: dict[str, FeatureKind] = {
+    spec.name: spec
+    for spec in (
+        _Exponential("positive", softmax=True, fused=True),
+        _Exponential("hyperbolic", rows_per_feature=2, softmax=True, fused=True, antithetic=True),
+        _Exponential("oprf", softmax=True, oprf=True),
+        _Exponential(
+            "hyperbolic_oprf", rows_per_feature=2, softmax=True, oprf=True, antithetic=True
+        ),
+        _Trigonometric("trigonometric", rows_per_feature=2, softmax=True, positive=False),
+        _RandomReLU("random_relu"),
+        _ELU("elu", random=False),
+        _ReLU("relu", random=False),
+    )
+}
+
+
+def kind_spec(kind: object) -> FeatureKind:
+    """The :class:`FeatureKind` named ``kind``; ``ValueError`` listing the kinds otherwise."""
+    if not isinstance(kind, str) or kind not in KIND_SPECS:
+        raise ValueError(f"kind must be one of {sorted(KIND_SPECS)}; got {kind!r}")
+    return KIND_SPECS[kind]
+
+
+def _device(x: Array) -> Any:
+    import array_api_compat
+
+    return array_api_compat.device(x)
