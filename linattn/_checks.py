@@ -35,6 +35,7 @@ class AttentionInputs:
     batch_shape: tuple[int, ...]
     query_length: int
     key_length: int
+    query_head_dim: int
     value_dim: int
 
 
@@ -146,5 +147,6 @@ def check_attention_inputs(
         batch_shape=batch_shape,
         query_length=int(q.shape[-2]),
         key_length=int(k.shape[-2]),
+        query_head_dim=int(q.shape[-1]),
         value_dim=int(v.shape[-1]),
     )

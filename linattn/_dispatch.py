@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 from linattn import causal as causal_path
 from linattn._xp import Array, Namespace
 
+if TYPE_CHECKING:
+    from linattn.features import FeatureMap
+
 __all__ = [
     "BACKENDS",
+    "Backend",
     "causal",
     "causal_backward_kernel",
     "fused_causal",
@@ -24,13 +29,15 @@ __all__ = [
     "resolve_backend",
 ]
 
-BACKENDS = ("auto", "numba", "array_api")
+#: Who may run causal attention: the argument ``backend=`` of every front-door function.
+Backend = Literal["auto", "numba", "array_api"]
+BACKENDS: tuple[Backend, ...] = ("auto", "numba", "array_api")
 ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
 
 CausalResult = tuple[Array, Array, Array]
 
 
-def resolve_backend(backend: str | None) -> str:
+def resolve_backend(backend: object) -> Backend:
     """The backend asked for: the argument, else ``$LINATTN_BACKEND``, else ``"auto"``."""
     chosen = backend if backend is not None else os.environ.get(ENVIRONMENT_VARIABLE, "auto")
     if chosen not in BACKENDS:
@@ -72,7 +79,7 @@ def causal(
     log_shift: Array,
     *,
     chunk_size: int,
-    backend: str | None,
+    backend: Backend | None,
 ) -> CausalResult:
     """Chunked causal attention by the chosen backend; same results either way."""
     chosen = resolve_backend(backend)
@@ -93,7 +100,7 @@ def causal(
 
 
 def causal_backward_kernel(
-    x: Array, *, signed: bool, backend: str | None
+    x: Array, *, signed: bool, backend: Backend | None
 ) -> Callable[..., tuple[Array, Array, Array, Array]] | None:
     """The compiled causal backward for arrays like ``x``, or ``None`` for the array API.
 
@@ -125,13 +132,13 @@ def fused_causal(
     q: Array,
     k: Array,
     v: Array,
-    feature_map: object,
+    feature_map: FeatureMap,
     key_mask: Array | None,
     kv: Array,
     log_shift: Array,
     *,
     chunk_size: int,
-    backend: str | None,
+    backend: Backend | None,
 ) -> CausalResult | None:
     """Features, causal attention and normalisation in one compiled pass, or ``None``.
 
@@ -140,10 +147,9 @@ def fused_causal(
     the compute dtype.  It never holds an ``L x m`` feature array (the path for long
     sequences).  ``None`` means: compute features and call :func:`causal`.
     """
-    kind = getattr(feature_map, "kind", None)
-    if resolve_backend(backend) == "array_api" or kind not in ("positive", "hyperbolic"):
+    if resolve_backend(backend) == "array_api" or not feature_map.spec.fused:
         return None
-    if getattr(feature_map, "rebalance_scales", None) is not None:
+    if feature_map.rebalance_scales is not None or feature_map.projection is None:
         return None  # rebalanced queries and keys differ: the fused pass does not take them
     if type(q).__module__.split(".")[0] != "numpy":
         return None
@@ -155,9 +161,9 @@ def fused_causal(
         q,
         k,
         v,
-        feature_map.projection,  # type: ignore[attr-defined]
-        hyperbolic=kind == "hyperbolic",
-        scale=feature_map.scale,  # type: ignore[attr-defined]
+        feature_map.projection,
+        hyperbolic=feature_map.kind == "hyperbolic",
+        scale=feature_map.scale,
         key_mask=key_mask,
         kv=kv,
         log_shift=log_shift,

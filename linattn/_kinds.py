@@ -49,6 +49,11 @@ class FeatureKind:
         Every feature is positive, so log-features exist (no signs).
     fused : bool
         The fused CPU kernel computes these features itself (``linattn_numba.cpu``).
+    overflow : float
+        The log-feature of an input too large for its squared norm to be computed
+        (:data:`linattn.features.overflow_limit`): ``-inf`` where the true value lies
+        below the float range (the Gaussian kinds: ``|x|^2 / 2`` dominates), NaN where
+        it is not representable.
     """
 
     name: str
@@ -58,6 +63,7 @@ class FeatureKind:
     oprf: bool = False
     positive: bool = True
     fused: bool = False
+    overflow: float = math.nan
 
     def log_features(
         self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
@@ -70,17 +76,6 @@ class FeatureKind:
     ) -> tuple[Array, Array]:
         """Cotangents ``(d_proj, d_half_norm)`` (random kinds) or ``(dx, 0)`` (deterministic)."""
         raise NotImplementedError
-
-
-def _gaussian(proj: Array, half_norm: Array, offset: float, xp: Namespace) -> Array:
-    """``proj - half_norm + offset``, and exactly ``-inf`` where ``|x|^2 / 2`` overflowed.
-
-    The true value lies below ``|w| |x| - |x|^2 / 2``, far below the float range once
-    the squared norm overflows; computing it would give ``inf - inf = NaN`` instead.
-    NaN inputs stay NaN.
-    """
-    log_phi = proj - half_norm + offset
-    return xp.where(half_norm == math.inf, constant(xp, -math.inf, log_phi), log_phi)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +102,7 @@ class _Exponential(FeatureKind):
             offset += 0.25 * fm.head_dim * math.log1p(-4.0 * fm.oprf_a)
         if self.antithetic:
             proj = xp.concat([proj, -proj], axis=-1)
-        log_phi = _gaussian(proj, half_norm, offset, xp)
+        log_phi = proj - half_norm + offset
         if self.oprf:
             energy = fm.oprf_a * np.sum(fm.projection**2, axis=1)  # type: ignore[operator]
             if self.antithetic:
@@ -214,11 +209,23 @@ class _ELU(FeatureKind):
 KIND_SPECS: dict[str, FeatureKind] = {
     spec.name: spec
     for spec in (
-        _Exponential("positive", softmax=True, fused=True),
-        _Exponential("hyperbolic", rows_per_feature=2, softmax=True, fused=True, antithetic=True),
-        _Exponential("oprf", softmax=True, oprf=True),
+        _Exponential("positive", softmax=True, fused=True, overflow=-math.inf),
         _Exponential(
-            "hyperbolic_oprf", rows_per_feature=2, softmax=True, oprf=True, antithetic=True
+            "hyperbolic",
+            rows_per_feature=2,
+            softmax=True,
+            fused=True,
+            overflow=-math.inf,
+            antithetic=True,
+        ),
+        _Exponential("oprf", softmax=True, oprf=True, overflow=-math.inf),
+        _Exponential(
+            "hyperbolic_oprf",
+            rows_per_feature=2,
+            softmax=True,
+            oprf=True,
+            overflow=-math.inf,
+            antithetic=True,
         ),
         _Trigonometric("trigonometric", rows_per_feature=2, softmax=True, positive=False),
         _RandomReLU("random_relu"),

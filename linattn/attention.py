@@ -14,6 +14,7 @@ import numpy as np
 from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._checks import check_attention_inputs, check_chunk_size, check_scale
+from linattn._dispatch import Backend
 from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, from_host
 from linattn.features import FeatureMap, Kind
 from linattn.state import LinearAttentionState, empty_state
@@ -100,7 +101,7 @@ def linear_attention(
     state: LinearAttentionState | None = ...,
     return_state: Literal[False] = ...,
     chunk_size: int = ...,
-    backend: str | None = ...,
+    backend: Backend | None = ...,
 ) -> Array: ...
 @overload
 def linear_attention(
@@ -115,7 +116,7 @@ def linear_attention(
     state: LinearAttentionState | None = ...,
     return_state: Literal[True],
     chunk_size: int = ...,
-    backend: str | None = ...,
+    backend: Backend | None = ...,
 ) -> tuple[Array, LinearAttentionState]: ...
 def linear_attention(
     q: Array,
@@ -129,7 +130,7 @@ def linear_attention(
     state: LinearAttentionState | None = None,
     return_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    backend: str | None = None,
+    backend: Backend | None = None,
 ) -> Array | tuple[Array, LinearAttentionState]:
     """Linear attention ``phi(Q) (phi(K)^T [V | 1])``, normalised, in O(L) time and memory.
 
@@ -312,7 +313,7 @@ def _features_then_attention(
     log_shift: Array,
     causal: bool,
     chunk_size: int,
-    backend: str | None,
+    backend: Backend | None,
 ) -> tuple[Array, Array, Array]:
     """Log-features in the array API, then the kernel or array-API attention; normalised."""
     operands = attention_operands(q, k, v, feature_map, info, batch, key_mask, kv.dtype)
@@ -330,7 +331,7 @@ def attend(
     *,
     causal: bool,
     chunk_size: int,
-    backend: str | None,
+    backend: Backend | None,
 ) -> tuple[Array, Array, Array]:
     """Unnormalised ``[numerator | denominator]`` and the state after the keys.
 
@@ -372,7 +373,7 @@ def favor_attention(
     scale: float | None = None,
     seed: int = 0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    backend: str | None = None,
+    backend: Backend | None = None,
 ) -> Array:
     """Random-feature softmax attention in one line: draw a feature map from ``seed``, apply it.
 
@@ -409,12 +410,10 @@ def favor_attention(
     >>> la.favor_attention(x, x, x, causal=True).shape
     (4, 64, 16)
     """
-    head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else None
-    if not isinstance(head_dim, int):
-        raise ValueError(
-            f"q must be an array of shape (..., L, d); got {type(q).__name__} "
-            f"with shape {getattr(q, 'shape', None)}"
-        )
+    # The inputs' own checks first: a zero-width head is q's fault, not head_dim's.
+    head_dim = check_attention_inputs(
+        q, k, v, key_mask=key_mask, causal=causal, head_dim=None
+    ).query_head_dim
     if kind is None:
         kind = "hyperbolic" if causal else "hyperbolic_oprf"
     if rebalance is None:

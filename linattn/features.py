@@ -20,7 +20,15 @@ import numpy as np
 
 from linattn._checks import check_key_mask, check_scale, key_mask_batch_shape
 from linattn._kinds import KIND_SPECS, FeatureKind, kind_spec
-from linattn._xp import Array, compute_dtype, float_dtype, from_host, namespace_of, to_host
+from linattn._xp import (
+    Array,
+    compute_dtype,
+    constant,
+    float_dtype,
+    from_host,
+    namespace_of,
+    to_host,
+)
 from linattn.projections import MAX_PROJECTION_SIZE, Norms, gaussian_projection
 
 __all__ = ["KINDS", "FeatureMap"]
@@ -536,10 +544,12 @@ class FeatureMap:
         xp, x = self._check_input(x, role)
         if not self.spec.random:
             return self.spec.log_features(xp, self, x, None, None)
-        x = self._scaled(xp, x, role)
+        x, overflow = self._without_overflow(xp, x, role)
+        x = x * self._input_factor(xp, x, role)
         proj = xp.matmul(x, xp.matrix_transpose(self._projection_like(xp, x)))
         half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        return self.spec.log_features(xp, self, x, proj, half_norm)
+        log_phi, sign = self.spec.log_features(xp, self, x, proj, half_norm)
+        return xp.where(overflow, constant(xp, self.spec.overflow, log_phi), log_phi), sign
 
     def log_features_vjp(self, x: Array, d_log: Array, /, *, role: Role | None = None) -> Array:
         """``dx`` from the cotangent ``d_log`` of :meth:`signed_log_features` (magnitudes).
@@ -562,12 +572,14 @@ class FeatureMap:
         x = xp.astype(x, d_log.dtype, copy=False)
         if not self.spec.random:
             return self.spec.vjp(xp, self, x, None, d_log)[0]
+        x, overflow = self._without_overflow(xp, x, role)
         factor = self._input_factor(xp, x, role)
         x = x * factor
         projection = self._projection_like(xp, x)
         proj = xp.matmul(x, xp.matrix_transpose(projection))
         d_proj, d_half_norm = self.spec.vjp(xp, self, x, proj, d_log)
-        return factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
+        dx = factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
+        return xp.where(overflow, constant(xp, 0.0, dx), dx)  # constant features there
 
     def _check_input(self, x: Array, role: object) -> tuple[Any, Array]:
         """The namespace and ``x`` in the compute dtype, after every check on ``x``."""
@@ -602,12 +614,35 @@ class FeatureMap:
             factor = factor * (psi if role == "query" else 1.0 / psi)
         return factor
 
-    def _scaled(self, xp: Any, x: Array, role: object) -> Array:
-        return x * self._input_factor(xp, x, role)
+    def _without_overflow(self, xp: Any, x: Array, role: object) -> tuple[Array, Array]:
+        """``x`` with zeros for rows too large to project, and where those rows are.
+
+        A row whose largest scaled entry exceeds :func:`overflow_limit` could overflow
+        ``|x|^2`` (and ``inf - inf`` gives NaN): its log-features are set to the kind's
+        ``overflow`` value instead of being computed, with no floating-point warning.
+        """
+        largest_factor = math.sqrt(self.scale)
+        if self._rebalance_scales is not None:
+            psi = self._rebalance_scales
+            largest_factor *= float(np.max(psi if role == "query" else 1.0 / psi))
+        limit = overflow_limit(xp, x.dtype, self.head_dim) / largest_factor
+        overflow = xp.max(xp.abs(x), axis=-1, keepdims=True) > limit
+        return xp.where(overflow, constant(xp, 0.0, x), x), overflow
 
     def _projection_like(self, xp: Any, x: Array) -> Array:
         assert self._projection is not None
         return from_host(xp, self._projection, dtype=x.dtype, device=array_api_compat.device(x))
+
+
+def overflow_limit(xp: Any, dtype: Any, head_dim: int) -> float:
+    """The largest scaled input entry whose row's ``|x|^2 / 2`` cannot overflow.
+
+    ``sqrt(float_max / (2 d))``: about ``1.5e18`` for float32 and ``3e153`` for float64
+    at ``d = 64``.  Past it the Gaussian kinds' true log-features
+    ``w^T x - |x|^2 / 2`` are below ``-float_max / (4 d)`` (features that are 0 in
+    every float type), so they are set to ``-inf``.
+    """
+    return math.sqrt(float(xp.finfo(dtype).max) / (2 * head_dim))
 
 
 def _refuse_assignment(self: FeatureMap, name: str, value: object) -> None:

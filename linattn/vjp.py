@@ -21,6 +21,7 @@ import numpy as np
 
 from linattn import _dispatch
 from linattn._checks import check_attention_inputs, check_chunk_size
+from linattn._dispatch import Backend
 from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype, from_host
 from linattn._xp import safe_shift as _safe
 from linattn.attention import attend, attention_operands, drop_masked_keys
@@ -42,7 +43,7 @@ def linear_attention_vjp(
     causal: bool = False,
     key_mask: Array | None = None,
     chunk_size: int = 64,
-    backend: str | None = None,
+    backend: Backend | None = None,
 ) -> tuple[Array, Array, Array]:
     """Gradients of ``sum(grad_output * linear_attention(q, k, v, feature_map, ...))``.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -438,3 +439,101 @@ def test_low_variance_maps_bidirectional_and_calibrated_causal(
         expected,
         rtol=1e-10,
     )
+
+
+# -- issue 16: defects found tried as a new user would ------------------------------
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic", "trigonometric"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_huge_key_changes_no_earlier_output(backend: Backend, kind: str, dtype: str) -> None:
+    """A finite key whose squared norm overflows touches only outputs at or after it.
+
+    Positive kinds give it log-feature -inf (its true features lie below the float
+    range), so nothing anywhere is NaN; trigonometric features give NaN or +inf,
+    which may reach only positions >= 50.  Earlier outputs are bit-identical to the
+    same call with that key replaced by zeros.
+    """
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.normal(size=(2, 128, 8)).astype(dtype) for _ in range(3))
+    fm = la.FeatureMap(8, 16, kind=kind, seed=0)
+    huge, zero = k.copy(), k.copy()
+    huge[0, 50] = 3e38 if dtype == "float32" else 1e308
+    zero[0, 50] = 0.0
+    out_huge, out_zero = (
+        backend.to_numpy(la.linear_attention(*map(backend.asarray, (q, x, v)), fm, causal=True))
+        for x in (huge, zero)
+    )
+    np.testing.assert_array_equal(out_huge[0, :50], out_zero[0, :50])
+    np.testing.assert_array_equal(out_huge[1], out_zero[1])
+    if kind != "trigonometric":  # the key drops out exactly as a masked key does
+        assert np.isfinite(out_huge).all()
+        keep = np.arange(128) != 50
+        masked = la.linear_attention(
+            *map(backend.asarray, (q, zero, v)), fm, causal=True, key_mask=backend.asarray(keep)
+        )
+        np.testing.assert_array_equal(out_huge[0], backend.to_numpy(masked)[0])
+
+
+def test_huge_inputs_get_log_features_minus_infinity() -> None:
+    fm = la.FeatureMap(8, 16, kind="hyperbolic", seed=0)
+    x = np.zeros((3, 8), dtype=np.float32)
+    x[1] = 3e38
+    x[2] = np.nan
+    log_phi = fm.log_features(x)
+    assert np.isfinite(log_phi[0]).all()
+    assert (log_phi[1] == -np.inf).all()  # not NaN: exp(-inf) = 0, as the true value
+    assert np.isnan(log_phi[2]).all()  # NaN inputs stay NaN
+
+
+def _none_calls():
+    fm = _map("positive")
+    q = Q[0, 0]
+    state = la.linear_attention(q, q, q, fm, causal=True, return_state=True)[1]
+    return [
+        (la.linear_attention, (None, q, q, fm), {}, "q"),
+        (la.linear_attention, (q, None, q, fm), {}, "k"),
+        (la.linear_attention, (q, q, None, fm), {}, "v"),
+        (la.softmax_attention, (q, None, q), {}, "k"),
+        (la.favor_attention, (None, q, q), {}, "q"),
+        (la.linear_attention_vjp, (q, q, None, fm, q), {}, "v"),
+        (fm.calibrate, (None, q), {}, "q"),
+        (fm.features, (None,), {}, "x"),
+        (
+            la.linear_attention,
+            (q, q, q, fm),
+            {"causal": True, "state": dataclasses.replace(state, kv=None)},
+            "state.kv",
+        ),
+        (
+            la.linear_attention,
+            (q, q, q, fm),
+            {"causal": True, "state": dataclasses.replace(state, log_shift=None)},
+            "state.log_shift",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("function", "args", "kwargs", "name"), _none_calls())
+def test_none_where_an_array_belongs_names_the_argument(function, args, kwargs, name) -> None:
+    with pytest.raises(TypeError, match=rf"^{re.escape(name)} must be an array .*got NoneType$"):
+        function(*args, **kwargs)
+
+
+def test_favor_attention_with_a_zero_width_head_blames_q() -> None:
+    q = np.zeros((4, 0))
+    with pytest.raises(ValueError, match=r"q must have at least one feature; got shape \(4, 0\)"):
+        la.favor_attention(q, q, q)
+
+
+def test_softmax_and_feature_maps_accept_the_same_scales() -> None:
+    q = Q[0, 0]
+    for scale in (np.int64(1), 1, np.float32(0.5)):
+        fm = la.FeatureMap(8, 16, scale=scale)
+        assert fm.scale == float(scale)
+        la.softmax_attention(q, q, q, scale=scale)
+    for bad in (True, np.bool_(True), -1, np.inf, "1"):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            la.FeatureMap(8, 16, scale=bad)
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            la.softmax_attention(q, q, q, scale=bad)

@@ -283,3 +283,47 @@ def test_pickle_round_trip() -> None:
     again = pickle.loads(pickle.dumps(fm))
     assert again.fingerprint == fm.fingerprint
     np.testing.assert_array_equal(again.features(q, role="key"), fm.features(q, role="key"))
+
+
+# -- issue 16: statistics and options are checked ------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-np.inf, -1e308, np.nan, 2e-1, True, "0.1"])
+def test_with_statistics_rejects_an_unusable_oprf_a(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"oprf_a must be a number below 1/8.*at least -10000"):
+        la.FeatureMap(4, 8, kind="oprf").with_statistics(oprf_a=bad)  # type: ignore[arg-type]
+
+
+def test_with_statistics_rejects_complex_rebalance_scales() -> None:
+    fm = la.FeatureMap(4, 8, rebalance=True)
+    with pytest.raises(
+        TypeError, match="rebalance_scales must be 4 real numbers; got dtype complex"
+    ):
+        fm.with_statistics(rebalance_scales=np.array([1, 2, 3, 4]) * (1 + 1j))
+    scaled = fm.with_statistics(rebalance_scales=np.array([1, 2, 3, 4]))  # integers are fine
+    assert scaled.rebalance_scales is not None and scaled.rebalance_scales.dtype == np.float64
+
+
+def test_calibrate_refuses_inputs_beyond_any_meaningful_estimate() -> None:
+    x = np.random.default_rng(0).normal(size=(16, 4)) * 1e3
+    with pytest.raises(ValueError, match=r"calibrate needs q and k of moderate size: .*rho"):
+        la.FeatureMap(4, 8, kind="oprf").calibrate(x, x)
+
+
+def test_calibrate_names_a_key_mask_that_does_not_broadcast() -> None:
+    q = np.zeros((3, 6, 8))
+    with pytest.raises(
+        ValueError, match=r"must broadcast together; got key_mask \(2,\), k \(3,\)"
+    ):
+        la.FeatureMap(8, 16, kind="oprf").calibrate(q, q, key_mask=np.ones((2, 6), bool))
+
+
+def test_feature_map_is_a_frozen_hashable_value() -> None:
+    import dataclasses
+
+    fm = la.FeatureMap(8, 16, seed=0)
+    assert dataclasses.is_dataclass(fm) and hash(fm) == hash(fm)
+    assert fm != la.FeatureMap(8, 16, seed=0)  # eq=False: identity, as JAX static args need
+    assert {fm: 1}[fm] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError, match="immutable"):
+        fm.kind = "hyperbolic"  # type: ignore[misc]

@@ -64,3 +64,20 @@ def test_haar_sign_convention() -> None:
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         gaussian_projection(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_rows": True}, ValueError, "num_rows must be a positive integer; got True"),
+        ({"dim": 2.0}, ValueError, "dim must be a positive integer; got 2.0"),
+        ({"seed": -1}, ValueError, "seed must be a non-negative integer; got -1"),
+        ({"seed": 1.5}, ValueError, "seed must be a non-negative integer; got 1.5"),
+        ({"orthogonal": "no"}, TypeError, "orthogonal must be True or False; got 'no'"),
+        ({"num_rows": 2**20, "dim": 2**9}, ValueError, "num_rows x dim must be at most"),
+    ],
+)
+def test_gaussian_projection_checks_its_arguments(kwargs: dict, error: type, match: str) -> None:
+    arguments = {"num_rows": 4, "dim": 4, **kwargs}
+    with pytest.raises(error, match=match):
+        gaussian_projection(arguments.pop("num_rows"), arguments.pop("dim"), **arguments)
