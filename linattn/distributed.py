@@ -387,8 +387,8 @@ def _prepare(
     v = v.rechunk({**like_q, nb: k.chunks[nb], nb + 1: -1})
     if mask is not None:
         mask = mask.rechunk({**like_q, nb: k.chunks[nb]})
-    # Padding may hold anything (NaN, inf): the chunk states multiply masked keys'
-    # values by a zero weight, which would still give NaN, so zero them first.
+    # Padding may hold anything (NaN, inf): a masked key's zero weight times a NaN or inf
+    # value is still NaN in its chunk state, and inf keys make NaN features; zero both.
     k, v = drop_masked_keys(array_api_compat.array_namespace(k), k, v, mask)
     spec = dask.delayed(feature_map, name=f"linattn-feature-map-{feature_map.fingerprint}")
     work = compute_dtype(np, np.dtype(info.dtype))
