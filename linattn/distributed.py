@@ -40,7 +40,7 @@ import numpy as np
 from linattn import _dispatch
 from linattn._checks import AttentionInputs, check_attention_inputs, check_chunk_size
 from linattn._xp import Array, Namespace, compute_dtype, constant
-from linattn.attention import DEFAULT_CHUNK_SIZE, linear_attention
+from linattn.attention import DEFAULT_CHUNK_SIZE, drop_masked_keys, linear_attention
 from linattn.causal import normalise, readout
 from linattn.features import FeatureMap
 from linattn.state import LinearAttentionState, absorb_keys, combine, empty_state
@@ -109,7 +109,7 @@ def batch_parallel_attention(
     if mask is not None:
         args += [mask, (*batch, "j")]
     return _blockwise(
-        _batch_block,
+        _attention_block,
         (*batch, "i", "e"),
         *args,
         name="linattn-batch-parallel",
@@ -149,17 +149,8 @@ def sequence_parallel_attention(
 
     Parameters
     ----------
-    q : dask array, shape ``(..., L_q, d)``
-    k : dask array, shape ``(..., L_k, d)``
-    v : dask array, shape ``(..., L_k, d_v)``
-        Leading dimensions broadcast.  Other arrays (NumPy, CuPy) are wrapped with
-        ``dask.array.asarray``.  Inputs are promoted to one floating dtype.
-    feature_map : FeatureMap
-        The features; ``feature_map.head_dim`` must equal ``d``.
-    causal : bool, default False
-        Query ``i`` attends to keys ``j <= i`` (needs ``L_q == L_k``).
-    key_mask : boolean dask array, shape ``(..., L_k)``, optional
-        True for keys that take part.
+    q, k, v, feature_map, causal, key_mask
+        As for :func:`batch_parallel_attention`.
     sequence_chunks : int, optional
         Tokens per sequence chunk (one task each).  Default: the chunks ``q`` (and,
         bidirectional, ``k``) already have along the sequence axis; causal
@@ -193,8 +184,7 @@ def sequence_parallel_attention(
     >>> bool(np.abs(out.compute() - expected).max() < 1e-12)
     True
     """
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int | np.integer) or lookahead < 1:
-        raise ValueError(f"lookahead must be a positive integer; got {lookahead!r}")
+    _check_positive("lookahead", lookahead)
     inputs = _prepare(q, k, v, key_mask, feature_map, causal, chunk_size, backend, sequence_chunks)
     if causal:
         return _causal_pipeline(inputs, int(lookahead), chunk_size=chunk_size, backend=backend)
@@ -268,15 +258,7 @@ def _causal_pipeline(inputs: _Inputs, lookahead: int, **options: Any) -> Any:
                 before = (state_name, *b, 0) if j == 2 else (incoming_name, *b, j - 1)
                 graph[incoming] = (_combine_packed, before, (state_name, *b, j - 1))
             out = (outputs_name, *b, j, 0)
-            graph[out] = (
-                _outputs_task,
-                spec,
-                masked,
-                options,
-                (q.name, *b, j, 0),
-                *keys,
-                incoming,
-            )
+            graph[out] = (_outputs_task, spec, options, (q.name, *b, j, 0), *keys, incoming)
             graph[(done_name, *b, j)] = (_done, out)
     dependencies = [x for x in (q, k, v, mask, inputs.spec) if x is not None]
     return da.Array(
@@ -355,7 +337,11 @@ def _prepare(
     arrays = {}
     for name, x in named.items():
         if x is None:
-            continue
+            if name == "key_mask":  # the one optional array
+                continue
+            raise TypeError(
+                f"{name} must be an array (a Dask array or one Dask can wrap); got None"
+            )
         if not array_api_compat.is_array_api_obj(x):
             raise TypeError(
                 f"{name} must be a Dask array (or an array Dask can wrap); got {type(x).__name__}"
@@ -377,14 +363,8 @@ def _prepare(
     )
     check_chunk_size(chunk_size)
     _dispatch.resolve_backend(backend)
-    if sequence_chunks is not None and (
-        isinstance(sequence_chunks, bool)
-        or not isinstance(sequence_chunks, int | np.integer)
-        or sequence_chunks < 1
-    ):
-        raise ValueError(
-            f"sequence_chunks must be a positive integer or None; got {sequence_chunks!r}"
-        )
+    if sequence_chunks is not None:
+        _check_positive("sequence_chunks", sequence_chunks, " or None")
 
     batch = info.batch_shape
 
@@ -407,9 +387,18 @@ def _prepare(
     v = v.rechunk({**like_q, nb: k.chunks[nb], nb + 1: -1})
     if mask is not None:
         mask = mask.rechunk({**like_q, nb: k.chunks[nb]})
+    # Padding may hold anything (NaN, inf): a masked key's zero weight times a NaN or inf
+    # value is still NaN in its chunk state, and inf keys make NaN features; zero both.
+    k, v = drop_masked_keys(array_api_compat.array_namespace(k), k, v, mask)
     spec = dask.delayed(feature_map, name=f"linattn-feature-map-{feature_map.fingerprint}")
     work = compute_dtype(np, np.dtype(info.dtype))
     return _Inputs(q, k, v, mask, info, work, spec, feature_map.num_features)
+
+
+def _check_positive(name: str, value: object, alternative: str = "") -> None:
+    """``value`` is a positive integer (not a bool); ``ValueError`` naming ``name`` if not."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{alternative}; got {value!r}")
 
 
 def _batch_index(info: AttentionInputs) -> tuple[str, ...]:
@@ -477,18 +466,12 @@ def _map_state(func: Any, *states: Any, name: str) -> Any:
 # -- what the workers run --------------------------------------------------------------
 
 
-def _batch_block(
+def _attention_block(
     q: Array, k: Array, v: Array, *mask: Array, feature_map: Any, causal: bool, **options: Any
 ) -> Array:
-    return linear_attention(
-        q,
-        k,
-        v,
-        feature_map,
-        causal=causal,
-        key_mask=mask[0] if mask else None,
-        **options,
-    )
+    """:func:`linattn.linear_attention` on one block; ``mask`` holds the key mask, if any."""
+    key_mask = mask[0] if mask else None
+    return linear_attention(q, k, v, feature_map, causal=causal, key_mask=key_mask, **options)
 
 
 def _chunk_state(k: Array, v: Array, *rest: Array, feature_map: Any, masked: bool) -> Array:
@@ -522,22 +505,16 @@ def _bidirectional_block(q: Array, total: Array, *, feature_map: Any) -> Array:
 
 
 def _causal_block(
-    q: Array, k: Array, v: Array, *rest: Array, feature_map: Any, masked: bool, **options: Any
+    q: Array, k: Array, v: Array, *rest: Array, feature_map: Any, **options: Any
 ) -> Array:
-    """Outputs of one sequence chunk, continuing from the state of all earlier chunks."""
-    mask, incoming = (rest[0] if masked else None), rest[-1]
-    fm = feature_map
-    kv, log_shift = _unpack(incoming[..., 0, :, :])
-    state = LinearAttentionState(kv=kv, log_shift=log_shift, feature_map=fm.fingerprint)
-    return linear_attention(
-        q,
-        k,
-        v,
-        fm,
-        causal=True,
-        key_mask=mask,
-        state=state,
-        **options,
+    """Outputs of one sequence chunk, continuing from the state of all earlier chunks.
+
+    ``rest`` holds the key mask (if any), then the packed incoming state.
+    """
+    kv, log_shift = _unpack(rest[-1][..., 0, :, :])
+    state = LinearAttentionState(kv=kv, log_shift=log_shift, feature_map=feature_map.fingerprint)
+    return _attention_block(
+        q, k, v, *rest[:-1], feature_map=feature_map, causal=True, state=state, **options
     )
 
 
@@ -545,10 +522,8 @@ def _state_task(feature_map: Any, masked: bool, *arrays: Array) -> Array:
     return _chunk_state(*arrays, feature_map=feature_map, masked=masked)
 
 
-def _outputs_task(
-    feature_map: Any, masked: bool, options: dict[str, Any], *arrays: Array
-) -> Array:
-    return _causal_block(*arrays, feature_map=feature_map, masked=masked, **options)
+def _outputs_task(feature_map: Any, options: dict[str, Any], *arrays: Array) -> Array:
+    return _causal_block(*arrays, feature_map=feature_map, **options)
 
 
 def _done(block: Array) -> None:

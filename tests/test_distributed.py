@@ -276,3 +276,53 @@ def test_bad_input_is_named():
     unknown = rows[rows[:, 0] > 0]
     with pytest.raises(ValueError, match="q must have known chunk sizes"):
         sequence_parallel_attention(unknown, unknown, unknown, FM)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("poisoned", ["k", "v", "kv"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("parallel", sorted(PARALLEL))
+def test_padding_may_hold_nan_and_inf(parallel, causal, poisoned, poison):
+    """Masked keys (tokens 12-17, inside the second of four sequence chunks) whose keys
+    or values hold NaN or inf give the outputs of the same call with ordinary padding."""
+    q, k, v, _ = _inputs(40, seed=9)
+    mask = np.ones((B, H, 40), dtype=bool)
+    mask[..., 12:18] = False
+    expected = la.linear_attention(q, k, v, FM, causal=causal, key_mask=mask)
+    k, v = k.copy(), v.copy()
+    for name in poisoned:
+        {"k": k, "v": v}[name][..., 12:18, :] = poison
+    out = PARALLEL[parallel](
+        *(_lazy(x, 10) for x in (q, k, v)), FM, causal=causal, key_mask=_lazy(mask, 10)
+    )
+    actual = out.compute(scheduler="sync")
+    assert np.isfinite(actual).all()
+    np.testing.assert_allclose(actual, expected, **FLOAT64)
+
+
+@pytest.mark.parametrize("parallel", sorted(PARALLEL))
+@pytest.mark.parametrize("missing", ["q", "k", "v"])
+def test_none_for_an_array_is_named(parallel, missing):
+    arrays = {name: _lazy(x, 16) for name, x in zip("qkv", _inputs(32)[:3], strict=True)}
+    arrays[missing] = None
+    with pytest.raises(TypeError, match=rf"^{missing} must be an array .*; got None$"):
+        PARALLEL[parallel](*arrays.values(), FM)
+
+
+@pytest.mark.parametrize("shape", [(B, H, 31), (B, H, 32, 1), (40,)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("parallel", sorted(PARALLEL))
+def test_key_mask_of_the_wrong_length_is_named(parallel, causal, shape):
+    q = _lazy(_inputs(32)[0], 16)
+    mask = da.ones(shape, dtype=bool)
+    expected = rf"key_mask must have shape \(\.\.\., 32\) .*; got shape \({shape[0]},"
+    with pytest.raises(ValueError, match=expected):
+        PARALLEL[parallel](q, q, q, FM, causal=causal, key_mask=mask)
+
+
+@pytest.mark.parametrize("parallel", sorted(PARALLEL))
+def test_key_mask_whose_batch_does_not_broadcast_is_named(parallel):
+    q = _lazy(_inputs(32)[0], 16)
+    mask = da.ones((B, H + 1, 32), dtype=bool)
+    with pytest.raises(ValueError, match=rf"must broadcast .*key_mask \({B}, {H + 1}\)"):
+        PARALLEL[parallel](q, q, q, FM, key_mask=mask)
