@@ -73,16 +73,22 @@ class Sizes:
         """The batch axes flattened into one."""
         return math.prod(self.batch_shape)
 
-    def shape(self, role: str, *, flat: bool = False) -> tuple[int, ...]:
-        """Shape of an argument of ``role`` (``"features"``, ``"values"``, ``"state"``,
-        ``"shift"``), with the batch axes as given or ``flat`` into one."""
-        tail = {
+    def shape(self, role: str) -> tuple[int, ...]:
+        """Shape of an argument of ``role``: ``"features"``, ``"values"``, ``"state"``
+        or ``"shift"`` (see :data:`ROLES`)."""
+        return (*self.batch_shape, *self._tail(role))
+
+    def flat(self, role: str) -> tuple[int, ...]:
+        """:meth:`shape` with the batch axes flattened into one (how kernels see it)."""
+        return (self.batch, *self._tail(role))
+
+    def _tail(self, role: str) -> tuple[int, ...]:
+        return {
             "features": (self.length, self.m),
             "values": (self.length, self.width),
             "state": (self.m, self.width),
             "shift": (self.m,),
         }[role]
-        return (self.batch, *tail) if flat else (*self.batch_shape, *tail)
 
 
 def named(arrays: Sequence[Any], cotangents: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -119,7 +125,8 @@ def check_dtypes(named: Mapping[str, Any], allowed: tuple[str, ...], *, same: bo
         got = dtype_name(x)
         if got not in allowed or (same and got != first):
             also = f", the same as log_phi_q ({first})" if same else ""
-            raise TypeError(f"{name} must have dtype {' or '.join(allowed)}{also}; got {got}")
+            names = f"{', '.join(allowed[:-1])} or {allowed[-1]}" if allowed[1:] else allowed[0]
+            raise TypeError(f"{name} must have dtype {names}{also}; got {got}")
     return first
 
 

@@ -636,11 +636,11 @@ def numpy_forward(
     """
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
     sizes, dtype = _check(_contract.named(inputs), chunk_size)
-    lq, lk = (_flat(x, sizes.shape("features", flat=True)) for x in (log_phi_q, log_phi_k))
-    va = _flat(values_aug, sizes.shape("values", flat=True))
-    state = _fresh(kv, sizes.shape("state", flat=True), dtype)
-    mu = _fresh(log_shift, sizes.shape("shift", flat=True), dtype)
-    out = np.empty(sizes.shape("values", flat=True), dtype)
+    lq, lk = (_flat(x, sizes.flat("features")) for x in (log_phi_q, log_phi_k))
+    va = _flat(values_aug, sizes.flat("values"))
+    state = _fresh(kv, sizes.flat("state"), dtype)
+    mu = _fresh(log_shift, sizes.flat("shift"), dtype)
+    out = np.empty(sizes.flat("values"), dtype)
     with _single_threaded_blas():
         _forward(lq, lk, va, state, mu, _chunk(sizes.chunk, sizes.length), out)
     return (
@@ -672,11 +672,11 @@ def numpy_backward(
     """
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift, d_outputs_aug, d_kv)
     sizes, dtype = _check(_contract.named(inputs, ("d_outputs_aug", "d_kv")), chunk_size)
-    features, values = sizes.shape("features", flat=True), sizes.shape("values", flat=True)
-    state_shape, m, width = sizes.shape("state", flat=True), sizes.m, sizes.width
+    features, values = sizes.flat("features"), sizes.flat("values")
+    state_shape, m, width = sizes.flat("state"), sizes.m, sizes.width
     flat = [_flat(x, features) for x in (log_phi_q, log_phi_k)]
     flat += [_flat(values_aug, values), _flat(kv, state_shape)]
-    mu = _flat(log_shift, sizes.shape("shift", flat=True))
+    mu = _flat(log_shift, sizes.flat("shift"))
     dout, dkv_out = _flat(d_outputs_aug, values), _flat(d_kv, state_shape)
     dlq, dlk = np.empty(features, dtype), np.empty(features, dtype)
     dva, dkv = np.empty(values, dtype), _fresh(dkv_out, state_shape, dtype)

@@ -99,7 +99,9 @@ def test_kernel_later_non_finite_key_leaves_earlier_outputs(dtype, bad, state) -
 
     def run(row: object) -> np.ndarray:
         keys = inputs[1].copy()
-        keys[0, AT] = np.array([np.nan, np.inf, -np.inf, 1.0] * (M // 4)) if row == "mixed" else row
+        keys[0, AT] = (
+            np.array([np.nan, np.inf, -np.inf, 1.0] * (M // 4)) if row == "mixed" else row
+        )
         return cpu.numpy_forward(inputs[0], keys, *inputs[2:], CHUNK)[0]
 
     _assert_earlier_outputs_unchanged(run(bad), run(0.0))
