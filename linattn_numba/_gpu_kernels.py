@@ -133,11 +133,34 @@ def _build(dt: Any) -> SimpleNamespace:
         return dt(0.0)
 
     @cuda.jit(device=True, inline=True)
-    def pair_weight(G, Gm, b, j, t, end):
-        """exp(G_j - Gmax_t) for keys j <= t of the chunk, else 0."""
+    def causal(x, G, Gm, b, j, t, end):
+        """``x exp(G_j - Gmax_t)`` for keys ``j <= t`` of the chunk, else 0: selected,
+        not ``x * 0``, so that a later key's NaN or inf never reaches query ``t``."""
         if t < end and j <= t:
-            return math.exp(G[b, j] - Gm[b, t])
+            return x * math.exp(G[b, j] - Gm[b, t])
         return dt(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def entry(x, b, i, c, end):
+        """``x[b, i, c]``, or 0 past the chunk's ``end`` or the last column (tile edges)."""
+        if i < end and c < x.shape[2]:
+            return x[b, i, c]
+        return dt(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_span(n, chunk, length):
+        """First token and end of chunk ``n``."""
+        start = n * chunk
+        return start, min(start + chunk, length)
+
+    @cuda.jit(device=True, inline=True)
+    def token_tile(tiles, chunk, length):
+        """``(n, tile, start, end, first)`` of this block: ``blockIdx.x = n * tiles + tile``
+        is tile ``tile`` of chunk ``n``, tokens ``first ..`` of ``start .. end``."""
+        n = cuda.blockIdx.x // tiles
+        tile = cuda.blockIdx.x % tiles
+        start, end = chunk_span(n, chunk, length)
+        return n, tile, start, end, start + tile * T
 
     @cuda.jit
     def chunk_max(lk, mus, chunk):
@@ -146,8 +169,8 @@ def _build(dt: Any) -> SimpleNamespace:
         b = cuda.blockIdx.z
         if r < lk.shape[2]:
             acc = dt(NEG_INF)
-            start = n * chunk
-            for t in range(start, min(start + chunk, lk.shape[1])):
+            start, end = chunk_span(n, chunk, lk.shape[1])
+            for t in range(start, end):
                 acc = max(acc, lk[b, t, r])
             mus[b, n + 1, r] = acc
 
@@ -170,8 +193,7 @@ def _build(dt: Any) -> SimpleNamespace:
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         m = lq.shape[2]
-        start = n * chunk
-        end = min(start + chunk, lq.shape[1])
+        start, end = chunk_span(n, chunk, lq.shape[1])
         red_q = cuda.shared.array((T, T), dt)
         red_k = cuda.shared.array((T, T), dt)
         for row0 in range(start, end, T):
@@ -211,16 +233,12 @@ def _build(dt: Any) -> SimpleNamespace:
 
     @cuda.jit
     def forward_intra(lq, lk, va, mus, F, G, Gm, flo, out, chunk, tiles):
-        n = cuda.blockIdx.x // tiles
-        qt = cuda.blockIdx.x % tiles
+        n, qt, start, end, t0 = token_tile(tiles, chunk, lq.shape[1])
         b = cuda.blockIdx.y
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         m = lq.shape[2]
         width = va.shape[2]
-        start = n * chunk
-        end = min(start + chunk, lq.shape[1])
-        t0 = start + qt * T
         if t0 >= end:
             return
         us = cuda.shared.array((T, T), dt)
@@ -238,12 +256,12 @@ def _build(dt: Any) -> SimpleNamespace:
                 for x in range(T):
                     acc += us[ty, x] * ks[tx, x]
                 cuda.syncthreads()
-            a_s[ty, tx] = acc * pair_weight(G, Gm, b, j0 + tx, t, end)
+            a_s[ty, tx] = causal(acc, G, Gm, b, j0 + tx, t, end)
             cuda.syncthreads()
             for c0 in range(0, width, T):
                 c = c0 + tx
                 j = j0 + ty
-                vs[ty, tx] = va[b, j, c] if (j < end and c < width) else dt(0.0)
+                vs[ty, tx] = entry(va, b, j, c, end)
                 cuda.syncthreads()
                 s = dt(0.0)
                 for y in range(T):
@@ -271,8 +289,7 @@ def _build(dt: Any) -> SimpleNamespace:
         ty = cuda.threadIdx.y
         m = lq.shape[2]
         width = z.shape[2]
-        start = n * chunk
-        end = min(start + chunk, lq.shape[1])
+        start, end = chunk_span(n, chunk, lq.shape[1])
         ys = cuda.shared.array((T, T), dt)
         zs = cuda.shared.array((T, T), dt)
         r = r0 + ty
@@ -281,7 +298,7 @@ def _build(dt: Any) -> SimpleNamespace:
         for j0 in range(start, end, T):
             j = j0 + ty
             ys[ty, tx] = feature(kind, lq, lk, mus, F, G, Gm, flo, b, n, j, r0 + tx, end)
-            zs[ty, tx] = z[b, j, c] if (j < end and c < width) else dt(0.0)
+            zs[ty, tx] = entry(z, b, j, c, end)
             cuda.syncthreads()
             for y in range(T):
                 s += ys[y, ty] * zs[y, tx]
@@ -319,17 +336,13 @@ def _build(dt: Any) -> SimpleNamespace:
         ``QUERY`` against ``S_n`` (times ``w_t``): the state term of the outputs;
         ``KEY_STATE`` against ``dS_{n+1}``: the state gradient of ``[V | 1]``.
         """
-        n = cuda.blockIdx.x // tiles
-        qt = cuda.blockIdx.x % tiles
+        n, _, _, end, t0 = token_tile(tiles, chunk, lq.shape[1])
         c = cuda.blockIdx.y * T + cuda.threadIdx.x
         b = cuda.blockIdx.z
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         m = lq.shape[2]
         width = states.shape[3]
-        start = n * chunk
-        end = min(start + chunk, lq.shape[1])
-        t0 = start + qt * T
         if t0 >= end:
             return
         xs = cuda.shared.array((T, T), dt)
@@ -356,17 +369,13 @@ def _build(dt: Any) -> SimpleNamespace:
         ``WEIGHTED_QUERY``, ``z = dO`` against ``S_n``: the state gradient of ``l(q)``;
         ``KEY_STATE``, ``z = [V | 1]`` against ``dS_{n+1}``: that of ``l(k)``.
         """
-        n = cuda.blockIdx.x // tiles
-        qt = cuda.blockIdx.x % tiles
+        n, _, _, end, t0 = token_tile(tiles, chunk, lq.shape[1])
         r0 = cuda.blockIdx.y * T
         b = cuda.blockIdx.z
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         m = lq.shape[2]
         width = states.shape[3]
-        start = n * chunk
-        end = min(start + chunk, lq.shape[1])
-        t0 = start + qt * T
         if t0 >= end:
             return
         zs = cuda.shared.array((T, T), dt)
@@ -376,7 +385,7 @@ def _build(dt: Any) -> SimpleNamespace:
         acc = dt(0.0)
         for c0 in range(0, width, T):
             c = c0 + tx
-            zs[ty, tx] = z[b, t, c] if (t < end and c < width) else dt(0.0)
+            zs[ty, tx] = entry(z, b, t, c, end)
             ms[ty, tx] = states[b, n, r_load, c] if (r_load < m and c < width) else dt(0.0)
             cuda.syncthreads()
             for x in range(T):
@@ -389,16 +398,12 @@ def _build(dt: Any) -> SimpleNamespace:
     @cuda.jit
     def backward_intra_queries(lq, lk, va, dout, mus, F, G, Gm, flo, dlq, chunk, tiles):
         """``dl(q)[t, r] = u[t, r] sum_{j<=t} P[t, j] psi[j, r]``, P = (dO va^T) e."""
-        n = cuda.blockIdx.x // tiles
-        qt = cuda.blockIdx.x % tiles
+        n, qt, start, end, t0 = token_tile(tiles, chunk, lq.shape[1])
         b = cuda.blockIdx.y
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         m = lq.shape[2]
         width = va.shape[2]
-        start = n * chunk
-        end = min(start + chunk, lq.shape[1])
-        t0 = start + qt * T
         if t0 >= end:
             return
         ds = cuda.shared.array((T, T), dt)
@@ -412,13 +417,13 @@ def _build(dt: Any) -> SimpleNamespace:
             for c0 in range(0, width, T):
                 c = c0 + tx
                 j = j0 + ty
-                ds[ty, tx] = dout[b, t, c] if (t < end and c < width) else dt(0.0)
-                vs[ty, tx] = va[b, j, c] if (j < end and c < width) else dt(0.0)
+                ds[ty, tx] = entry(dout, b, t, c, end)
+                vs[ty, tx] = entry(va, b, j, c, end)
                 cuda.syncthreads()
                 for x in range(T):
                     acc += ds[ty, x] * vs[tx, x]
                 cuda.syncthreads()
-            ps[ty, tx] = acc * pair_weight(G, Gm, b, j0 + tx, t, end)
+            ps[ty, tx] = causal(acc, G, Gm, b, j0 + tx, t, end)
             cuda.syncthreads()
             for r0 in range(0, m, T):
                 ks[ty, tx] = feature(KEY, lq, lk, mus, F, G, Gm, flo, b, n, j0 + ty, r0 + tx, end)
@@ -439,16 +444,12 @@ def _build(dt: Any) -> SimpleNamespace:
     def backward_intra_keys(lq, lk, va, dout, mus, F, G, Gm, flo, dlk, dva, chunk, tiles):
         """``dl(k)[j, r] = psi[j, r] sum_{t>=j} P[t, j] u[t, r]`` and
         ``d[V|1][j, c] = sum_{t>=j} A[t, j] dO[t, c]``, A = (u psi^T) e."""
-        n = cuda.blockIdx.x // tiles
-        kt = cuda.blockIdx.x % tiles
+        n, kt, start, end, j0 = token_tile(tiles, chunk, lq.shape[1])
         b = cuda.blockIdx.y
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         m = lq.shape[2]
         width = va.shape[2]
-        start = n * chunk
-        end = min(start + chunk, lq.shape[1])
-        j0 = start + kt * T
         if j0 >= end:
             return
         a_s = cuda.shared.array((T, T), dt)
@@ -462,9 +463,9 @@ def _build(dt: Any) -> SimpleNamespace:
             accp = dt(0.0)
             for c0 in range(0, width, T):
                 c = c0 + tx
-                a_s[ty, tx] = va[b, j, c] if (j < end and c < width) else dt(0.0)
+                a_s[ty, tx] = entry(va, b, j, c, end)
                 tt = t0 + ty
-                b_s[ty, tx] = dout[b, tt, c] if (tt < end and c < width) else dt(0.0)
+                b_s[ty, tx] = entry(dout, b, tt, c, end)
                 cuda.syncthreads()
                 for x in range(T):
                     accp += a_s[ty, x] * b_s[tx, x]
@@ -479,9 +480,8 @@ def _build(dt: Any) -> SimpleNamespace:
                 for x in range(T):
                     acca += a_s[ty, x] * b_s[tx, x]
                 cuda.syncthreads()
-            e = pair_weight(G, Gm, b, j, t0 + tx, end)
-            pts[ty, tx] = accp * e
-            ats[ty, tx] = acca * e
+            pts[ty, tx] = causal(accp, G, Gm, b, j, t0 + tx, end)
+            ats[ty, tx] = causal(acca, G, Gm, b, j, t0 + tx, end)
             cuda.syncthreads()
             for r0 in range(0, m, T):
                 a_s[ty, tx] = feature(
@@ -502,7 +502,7 @@ def _build(dt: Any) -> SimpleNamespace:
             for c0 in range(0, width, T):
                 c = c0 + tx
                 tt = t0 + ty
-                a_s[ty, tx] = dout[b, tt, c] if (tt < end and c < width) else dt(0.0)
+                a_s[ty, tx] = entry(dout, b, tt, c, end)
                 cuda.syncthreads()
                 s = dt(0.0)
                 for y in range(T):

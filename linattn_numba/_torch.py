@@ -101,14 +101,4 @@ def autograd_kernel(forward: Forward, backward: Backward) -> Callable[..., Any]:
                 None,  # chunk_size
             )
 
-    def kernel(
-        lq: torch.Tensor,
-        lk: torch.Tensor,
-        va: torch.Tensor,
-        kv: torch.Tensor,
-        mu: torch.Tensor,
-        chunk_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return CausalKernel.apply(lq, lk, va, kv, mu, chunk_size)
-
-    return kernel
+    return CausalKernel.apply  # (lq, lk, va, kv, mu, chunk_size), positional

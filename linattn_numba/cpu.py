@@ -48,6 +48,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from linattn_numba import _contract
+
 __all__ = [
     "causal_backward_kernel",
     "causal_kernel",
@@ -280,6 +282,21 @@ def _absorb(lk, va, kv, mu, ms, phi, top, shift, decay, product, psi, g, reuse):
 
 
 @_jit()
+def _mask_later_keys(products, weights):
+    """``products *= weights`` on and below the diagonal (keys ``j <= t``), ``0`` above.
+
+    Selected, not multiplied by the zero weights: a later key whose features are NaN or
+    inf (``inf * 0`` is NaN) must not reach an earlier query's output.
+    """
+    c = products.shape[0]
+    for i in range(c):
+        for j in range(i + 1):
+            products[i, j] *= weights[i, j]
+        for j in range(i + 1, c):
+            products[i, j] = 0
+
+
+@_jit()
 def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, product):
     """Unnormalised outputs of one chunk into ``block``; then ``(kv, mu)`` absorb its keys."""
     c, m = lq.shape
@@ -292,9 +309,7 @@ def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, pro
     has_state = _safe_shift(mu, ms)
     _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
     np.dot(u, psi.T, intra)
-    for i in range(c):
-        for j in range(c):
-            intra[i, j] *= weights[i, j]
+    _mask_later_keys(intra, weights)
     np.dot(u, kv, state_out[:c])
     np.dot(intra, va, block)
     for i in range(c):
@@ -329,11 +344,14 @@ def _forward(lq, lk, va, kv, mu, chunk, out):
 
 
 @njit(cache=True, nogil=True, fastmath={"contract", "reassoc"}, error_model="numpy")
-def _sum_squares(x):
-    """``sum(x**2)`` of a row, summed in any order (so that it vectorises)."""
+def _half_norm(x, root_half_scale):
+    """``scale |x|^2 / 2`` of a row as ``sum((sqrt(scale / 2) x)**2)``: scaled before
+    squaring, so that it overflows only where the result does; summed in any order (so
+    that it vectorises)."""
     total = x[0] - x[0]
     for e in range(x.shape[0]):
-        total += x[e] * x[e]
+        y = x[e] * root_half_scale
+        total += y * y
     return total
 
 
@@ -344,15 +362,25 @@ def _log_features(x, projection, consts, hyperbolic, proj, out):
     ``projection`` is the feature map's, times ``sqrt(scale)``; ``consts = [scale / 2,
     log(m) / 2]`` in the compute dtype.  ``l(x) = +-(sqrt(scale) x) W^T - scale |x|^2 / 2
     - log(m) / 2``: the array-API formula, rounded differently (within a few ulp).
-    ``proj`` is scratch for the hyperbolic kind (the positive kind projects into ``out``).
+    Where ``scale |x|^2 / 2`` overflows, ``l(x)`` is below the float range: ``-inf``
+    exactly (the projection may overflow too, and ``inf - inf`` would be NaN); NaN
+    inputs stay NaN.  ``proj`` is scratch for the hyperbolic kind (the positive kind
+    projects into ``out``).
     """
     c = x.shape[0]
     rows = projection.shape[0]
-    half_scale, log_root_m = consts[0], consts[1]  # locals, so that the loops vectorise
+    width = out.shape[1]
+    # locals, so that the loops vectorise
+    root_half_scale, log_root_m = np.sqrt(consts[0]), consts[1]
     target = proj if hyperbolic else out
     np.dot(x, projection.T, target)
     for i in range(c):
-        offset = _sum_squares(x[i]) * half_scale + log_root_m
+        half_norm = _half_norm(x[i], root_half_scale)
+        if half_norm == np.inf:
+            for r in range(width):
+                out[i, r] = -np.inf
+            continue
+        offset = half_norm + log_root_m
         for r in range(rows):
             out[i, r] = target[i, r] - offset
         if hyperbolic:
@@ -437,10 +465,8 @@ def _chunk_backward(
     _key_features(lk, shift, decay, psi, g, full, phi)
     np.dot(u, psi.T, intra)
     np.dot(dout, va.T, paired)
-    for i in range(c):
-        for j in range(c):
-            intra[i, j] *= weights[i, j]
-            paired[i, j] *= weights[i, j]
+    _mask_later_keys(intra, weights)
+    _mask_later_keys(paired, weights)
     # d l(q) = u * (w dO S^T + P psi), P = (dO [V|1]^T) * weights
     np.dot(dout, kv.T, du)
     np.dot(paired, psi, dpsi)
@@ -570,54 +596,22 @@ def _backward(
 # -- NumPy entry points (checked before any compiled code runs) -----------------------
 
 
-def _check(
-    arrays: dict[str, Any], chunk_size: object
-) -> tuple[tuple[int, ...], int, int, int, np.dtype]:
-    """Validate kernel inputs; return batch shape, L, m, d_v + 1 and dtype."""
-    for name, x in arrays.items():
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"{name} must be a numpy.ndarray; got {type(x).__name__}")
-    dtype = arrays["log_phi_q"].dtype
-    for name, x in arrays.items():
-        if x.dtype != dtype or dtype not in DTYPES:
-            raise TypeError(
-                f"{name} must have dtype float32 or float64, the same as log_phi_q "
-                f"({dtype}); got {x.dtype}"
-            )
-    if (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int | np.integer)
-        or (chunk_size < 1)
-    ):
-        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    lq = arrays["log_phi_q"]
-    if lq.ndim < 2 or 0 in lq.shape[-2:]:
-        raise ValueError(f"log_phi_q must have shape (..., L, m) with L, m >= 1; got {lq.shape}")
-    *batch, length, m = lq.shape
-    va = arrays["values_aug"]
-    width = va.shape[-1] if va.ndim >= 2 else 0
-    expected = {
-        "log_phi_k": (*batch, length, m),
-        "values_aug": (*batch, length, width),
-        "kv": (*batch, m, width),
-        "log_shift": (*batch, m),
-        "d_outputs_aug": (*batch, length, width),
-        "d_kv": (*batch, m, width),
-    }
-    if width < 1:
-        raise ValueError(f"values_aug must have shape (..., L, d_v + 1); got {va.shape}")
-    for name, shape in expected.items():
-        if name in arrays and arrays[name].shape != shape:
-            raise ValueError(
-                f"{name} must have shape {shape} to match log_phi_q {lq.shape} and "
-                f"values_aug {va.shape}; got {arrays[name].shape}"
-            )
-    return tuple(batch), length, m, width, dtype
+def _check(arrays: dict[str, Any], chunk_size: object) -> tuple[_contract.Sizes, np.dtype]:
+    """Validate kernel inputs (:mod:`linattn_numba._contract`); return sizes and dtype."""
+    _contract.check_arrays(arrays, lambda x: isinstance(x, np.ndarray), "a numpy.ndarray")
+    names = tuple(str(d) for d in DTYPES)
+    dtype = np.dtype(_contract.check_dtypes(arrays, names, same=True))
+    return _contract.check_shapes(arrays, chunk_size), dtype
 
 
-def _flat(x: np.ndarray, tail: int) -> np.ndarray:
-    """A C-contiguous ``(batch, *last tail dims)`` copy or view of ``x``."""
-    return np.ascontiguousarray(x).reshape((-1, *x.shape[x.ndim - tail :]))
+def _flat(x: np.ndarray, shape: tuple[int, ...], dtype: Any = None) -> np.ndarray:
+    """``x`` as a C-contiguous array of ``shape`` (a view where it already is one)."""
+    return np.ascontiguousarray(x, dtype=dtype).reshape(shape)
+
+
+def _fresh(x: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A C-contiguous copy of ``x`` of ``shape`` that the kernel may overwrite."""
+    return np.array(x, dtype=dtype, order="C", copy=True).reshape(shape)
 
 
 def numpy_forward(
@@ -640,26 +634,25 @@ def numpy_forward(
     >>> out[0, :, 0] / out[0, :, 1]
     array([0. , 0.5, 1. ])
     """
-    arrays = {
-        "log_phi_q": log_phi_q,
-        "log_phi_k": log_phi_k,
-        "values_aug": values_aug,
-        "kv": kv,
-        "log_shift": log_shift,
-    }
-    batch, length, m, width, dtype = _check(arrays, chunk_size)
-    chunk = int(min(chunk_size, length))
-    lq, lk, va = _flat(log_phi_q, 2), _flat(log_phi_k, 2), _flat(values_aug, 2)
-    state = np.array(kv, dtype=dtype, order="C", copy=True).reshape(-1, m, width)
-    mu = np.array(log_shift, dtype=dtype, order="C", copy=True).reshape(-1, m)
-    out = np.empty((lq.shape[0], length, width), dtype)
+    inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
+    sizes, dtype = _check(_contract.named(inputs), chunk_size)
+    lq, lk = (_flat(x, sizes.flat("features")) for x in (log_phi_q, log_phi_k))
+    va = _flat(values_aug, sizes.flat("values"))
+    state = _fresh(kv, sizes.flat("state"), dtype)
+    mu = _fresh(log_shift, sizes.flat("shift"), dtype)
+    out = np.empty(sizes.flat("values"), dtype)
     with _single_threaded_blas():
-        _forward(lq, lk, va, state, mu, chunk, out)
+        _forward(lq, lk, va, state, mu, _chunk(sizes.chunk, sizes.length), out)
     return (
-        out.reshape((*batch, length, width)),
-        state.reshape((*batch, m, width)),
-        mu.reshape((*batch, m)),
+        out.reshape(sizes.shape("values")),
+        state.reshape(sizes.shape("state")),
+        mu.reshape(sizes.shape("shift")),
     )
+
+
+def _chunk(chunk_size: int, length: int) -> int:
+    """The chunk the kernels run: at most ``L``, at least 1 (``L = 0`` runs none)."""
+    return max(1, min(chunk_size, length))
 
 
 def numpy_backward(
@@ -677,43 +670,40 @@ def numpy_backward(
     Returns ``(d_log_phi_q, d_log_phi_k, d_values_aug, d_kv_in)`` for cotangents
     ``d_outputs_aug`` of the outputs and ``d_kv`` of the final state.
     """
-    arrays = {
-        "log_phi_q": log_phi_q,
-        "log_phi_k": log_phi_k,
-        "values_aug": values_aug,
-        "kv": kv,
-        "log_shift": log_shift,
-        "d_outputs_aug": d_outputs_aug,
-        "d_kv": d_kv,
-    }
-    batch, length, m, width, _ = _check(arrays, chunk_size)
-    chunk = int(min(chunk_size, length))
-    flat = [_flat(a, 2) for a in (log_phi_q, log_phi_k, values_aug, kv)]
-    mu = _flat(log_shift, 1)
-    dout, dkv_out = _flat(d_outputs_aug, 2), _flat(d_kv, 2)
-    dlq, dlk = np.empty_like(flat[0]), np.empty_like(flat[1])
-    dva, dkv = np.empty_like(flat[2]), np.empty_like(flat[3])
-    # Per worker thread: every chunk's state when they fit in STORE_BYTES, else a segment
-    # of sqrt(N) of them plus the states at segment starts (recomputed, never subtracted).
-    workers = min(dlq.shape[0], numba.get_num_threads())
-    n_chunks = -(-length // chunk)
-    stored = n_chunks * m * width * dlq.itemsize
-    per_segment = n_chunks if stored <= STORE_BYTES else math.ceil(math.sqrt(n_chunks))
-    n_segments = -(-n_chunks // per_segment)
-    seg_kv = np.empty((workers, per_segment, m, width), dlq.dtype)
-    seg_mu = np.empty((workers, per_segment + 1, m), dlq.dtype)
-    check_kv = np.empty((workers, n_segments, m, width), dlq.dtype)
-    check_mu = np.empty((workers, n_segments, m), dlq.dtype)
-    with _single_threaded_blas():
-        _backward(
-            *flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu, check_kv,
-            check_mu,
-        )  # fmt: skip
+    inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift, d_outputs_aug, d_kv)
+    sizes, dtype = _check(_contract.named(inputs, ("d_outputs_aug", "d_kv")), chunk_size)
+    features, values = sizes.flat("features"), sizes.flat("values")
+    state_shape, m, width = sizes.flat("state"), sizes.m, sizes.width
+    flat = [_flat(x, features) for x in (log_phi_q, log_phi_k)]
+    flat += [_flat(values_aug, values), _flat(kv, state_shape)]
+    mu = _flat(log_shift, sizes.flat("shift"))
+    dout, dkv_out = _flat(d_outputs_aug, values), _flat(d_kv, state_shape)
+    dlq, dlk = np.empty(features, dtype), np.empty(features, dtype)
+    dva, dkv = np.empty(values, dtype), _fresh(dkv_out, state_shape, dtype)
+    if sizes.length:  # (no tokens: no chunks, and the state's gradient passes through)
+        # Per worker thread: every chunk's state when they fit in STORE_BYTES, else a
+        # segment of sqrt(N) of them plus the states at segment starts (recomputed, never
+        # subtracted).
+        chunk = _chunk(sizes.chunk, sizes.length)
+        workers = min(sizes.batch, numba.get_num_threads())
+        n_chunks = -(-sizes.length // chunk)
+        stored = n_chunks * m * width * dlq.itemsize
+        per_segment = n_chunks if stored <= STORE_BYTES else math.ceil(math.sqrt(n_chunks))
+        n_segments = -(-n_chunks // per_segment)
+        seg_kv = np.empty((workers, per_segment, m, width), dtype)
+        seg_mu = np.empty((workers, per_segment + 1, m), dtype)
+        check_kv = np.empty((workers, n_segments, m, width), dtype)
+        check_mu = np.empty((workers, n_segments, m), dtype)
+        with _single_threaded_blas():
+            _backward(
+                *flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu,
+                check_kv, check_mu,
+            )  # fmt: skip
     return (
-        dlq.reshape((*batch, length, m)),
-        dlk.reshape((*batch, length, m)),
-        dva.reshape((*batch, length, width)),
-        dkv.reshape((*batch, m, width)),
+        dlq.reshape(sizes.shape("features")),
+        dlk.reshape(sizes.shape("features")),
+        dva.reshape(sizes.shape("values")),
+        dkv.reshape(sizes.shape("state")),
     )
 
 
@@ -762,33 +752,26 @@ def favor_causal(
         raise ValueError(
             f"projection {projection.shape} does not match q {q.shape} and kv {kv.shape}"
         )
-    if (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int | np.integer)
-        or (chunk_size < 1)
-    ):
-        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    chunk = _chunk(_contract.check_chunk_size(chunk_size), q.shape[-2])
     length, dv = q.shape[-2], v.shape[-1]
     batch = np.broadcast_shapes(
         q.shape[:-2], k.shape[:-2], v.shape[:-2], kv.shape[:-2], log_shift.shape[:-1],
         () if key_mask is None else key_mask.shape[:-1],
     )  # fmt: skip
 
+    n = math.prod(batch)
+
     def flat(x: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
-        full = np.broadcast_to(x, (*batch, *tail)).reshape(-1, *tail)
-        return np.ascontiguousarray(full, dtype=dtype)
+        return _flat(np.broadcast_to(x, (*batch, *tail)), (n, *tail), dtype)
 
     qf, kf, vf = flat(q, (length, head_dim)), flat(k, (length, head_dim)), flat(v, (length, dv))
     mask = np.ones(length, bool) if key_mask is None else key_mask
-    maskf = np.ascontiguousarray(np.broadcast_to(mask, (*batch, length)).reshape(-1, length))
-    state = np.array(np.broadcast_to(kv, (*batch, m, dv + 1)), dtype, order="C", copy=True)
-    state = state.reshape(-1, m, dv + 1)
-    mu = np.array(np.broadcast_to(log_shift, (*batch, m)), dtype, order="C", copy=True)
-    mu = mu.reshape(-1, m)
+    maskf = _flat(np.broadcast_to(mask, (*batch, length)), (n, length))
+    state = _fresh(np.broadcast_to(kv, (*batch, m, dv + 1)), (n, m, dv + 1), dtype)
+    mu = _fresh(np.broadcast_to(log_shift, (*batch, m)), (n, m), dtype)
     consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
     scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
-    out = np.empty((qf.shape[0], length, dv), dtype)
-    chunk = int(min(chunk_size, length))
+    out = np.empty((n, length, dv), dtype)
     with _single_threaded_blas():
         _forward_fused(
             qf, kf, vf, maskf, scaled_projection, consts,

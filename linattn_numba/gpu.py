@@ -38,7 +38,6 @@ array([1., 2., 3.])
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,14 +46,14 @@ from typing import Any
 import numpy as np
 from numba.core.errors import NumbaPerformanceWarning
 
-from linattn_numba import _cuda
+from linattn_numba import _contract, _cuda
 from linattn_numba._gpu_kernels import KEY_STATE, QUERY, TILE, WEIGHTED_QUERY, kernels
 
 __all__ = ["LIBRARIES", "backward", "causal_kernel", "forward"]
 
 MAX_BATCH = 65535  # CUDA's limit on gridDim.y
 BLOCK = (TILE, TILE)
-STATE_INPUTS = ("log_phi_q", "log_phi_k", "values_aug", "kv", "log_shift")
+FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")  # (computed in float32 or 64)
 
 
 # --------------------------------------------------------------------------------------
@@ -63,13 +62,9 @@ STATE_INPUTS = ("log_phi_q", "log_phi_k", "values_aug", "kv", "log_shift")
 
 class _Library:
     name = ""
-    float_names = ("float16", "bfloat16", "float32", "float64")
 
     def is_array(self, x: Any) -> bool:
         raise NotImplementedError
-
-    def dtype_name(self, x: Any) -> str:
-        return str(x.dtype).rsplit(".", 1)[-1]
 
     def device_id(self, x: Any) -> int | None:
         """The CUDA device ordinal of ``x``, or ``None`` if it is not on a CUDA device."""
@@ -219,21 +214,12 @@ LIBRARIES: dict[str, _Library] = {lib.name: lib for lib in (_NumPy(), _CuPy(), _
 
 
 @dataclass(frozen=True)
-class _Problem:
-    """One checked call: sizes, compute dtype, device."""
+class _Problem(_contract.Sizes):
+    """One checked call: the contract's sizes, and the library, compute dtype, device."""
 
     lib: _Library
-    batch_shape: tuple[int, ...]
-    length: int
-    m: int
-    width: int  # d_v + 1
     dtype: str
     device: int
-    chunk: int
-
-    @property
-    def batch(self) -> int:
-        return math.prod(self.batch_shape)
 
     @property
     def num_chunks(self) -> int:
@@ -244,30 +230,34 @@ class _Problem:
         """Query (or key) tiles per chunk."""
         return -(-min(self.chunk, self.length) // TILE)
 
-    def shape(self, kind: str) -> tuple[int, ...]:
-        """Flattened shape of ``"features"``, ``"values"``, ``"state"`` or ``"shift"``."""
-        return {
-            "features": (self.batch, self.length, self.m),
-            "values": (self.batch, self.length, self.width),
-            "state": (self.batch, self.m, self.width),
-            "shift": (self.batch, self.m),
-        }[kind]
+    @property
+    def row_tiles(self) -> int:
+        """State tiles along ``m``."""
+        return -(-self.m // TILE)
 
-    def result(self, x: Any, kind: str) -> Any:
+    @property
+    def column_tiles(self) -> int:
+        """State tiles along ``d_v + 1``."""
+        return -(-self.width // TILE)
+
+    def prepare(self, x: Any, role: str) -> Any:
+        """``x`` flattened, in the compute dtype, C-contiguous (a copy only if needed)."""
+        return self.lib.prepare(x, self.flat(role), self.dtype)
+
+    def empty(self, shape: str | tuple[int, ...]) -> Any:
+        """An uninitialised array on the call's device: a role's flat shape, or ``shape``."""
+        return self.lib.empty(self.flat(shape) if isinstance(shape, str) else shape,
+                              self.dtype, self.device)  # fmt: skip
+
+    def result(self, x: Any, role: str) -> Any:
         """``x`` in the caller's library with the caller's batch axes."""
-        return self.lib.result(x, (*self.batch_shape, *self.shape(kind)[1:]))
+        return self.lib.result(x, self.shape(role))
 
 
 def _check(lib: _Library, named: dict[str, Any], chunk_size: object) -> _Problem:
-    """Validate a kernel call (types, dtypes, devices, chunk size, shapes)."""
-    for name, x in named.items():
-        if not lib.is_array(x):
-            raise TypeError(
-                f"{name} must be a {lib.name} array for the CUDA kernel; got "
-                f"{type(x).__module__}.{type(x).__name__}"
-            )
-        if lib.dtype_name(x) not in lib.float_names:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64; got {x.dtype}")
+    """Validate a kernel call (:mod:`linattn_numba._contract`, then devices and batch)."""
+    _contract.check_arrays(named, lib.is_array, f"a {lib.name} array for the CUDA kernel")
+    precision = _contract.check_dtypes(named, FLOAT_NAMES, same=False)
     devices = {name: lib.device_id(x) for name, x in named.items()}
     first_name, first = next(iter(devices.items()))
     for name, dev in devices.items():
@@ -278,38 +268,14 @@ def _check(lib: _Library, named: dict[str, Any], chunk_size: object) -> _Problem
                 f"all arrays must be on one CUDA device; {first_name} is on device {first} "
                 f"but {name} is on device {dev}"
             )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer):
-        raise TypeError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
-    lq, va = named["log_phi_q"], named["values_aug"]
-    if lq.ndim < 2 or int(lq.shape[-1]) < 1:
-        raise ValueError(f"log_phi_q must have shape (*batch, L, m >= 1); got {tuple(lq.shape)}")
-    *batch, length, m = (int(s) for s in lq.shape)
-    if va.ndim < 1 or int(va.shape[-1]) < 1:
-        raise ValueError(f"values_aug must have shape (*batch, L, d_v + 1); got {tuple(va.shape)}")
-    width = int(va.shape[-1])
-    expected = {
-        "log_phi_k": (*batch, length, m),
-        "values_aug": (*batch, length, width),
-        "kv": (*batch, m, width),
-        "log_shift": (*batch, m),
-        "d_outputs_aug": (*batch, length, width),
-        "d_kv_out": (*batch, m, width),
-    }
-    for name, x in named.items():
-        if name in expected and tuple(int(s) for s in x.shape) != expected[name]:
-            raise ValueError(
-                f"{name} must have shape {expected[name]} to match log_phi_q {tuple(lq.shape)} "
-                f"and values_aug (..., {width}); got {tuple(x.shape)}"
-            )
-    if math.prod(batch) > MAX_BATCH:
+    sizes = _contract.check_shapes(named, chunk_size)
+    if sizes.batch > MAX_BATCH:
         raise ValueError(
             f"the CUDA kernel serves at most {MAX_BATCH} batch entries (product of the "
-            f"leading axes); got {math.prod(batch)}"
+            f"leading axes); got {sizes.batch}"
         )
-    dtype = "float64" if lib.dtype_name(lq) == "float64" else "float32"
-    return _Problem(lib, tuple(batch), length, m, width, dtype, first or 0, int(chunk_size))
+    dtype = "float64" if precision == "float64" else "float32"
+    return _Problem(**vars(sizes), lib=lib, dtype=dtype, device=first or 0)
 
 
 class _Launcher:
@@ -344,20 +310,23 @@ class _Launcher:
             ) from error
 
 
-def _stabilisers(
-    p: _Problem, launch: _Launcher, lq: Any, lk: Any, mu: Any, mu_out: Any
-) -> tuple[Any, ...]:
-    """``mus, F, G, Gm, flo`` of every chunk (see ``_gpu_kernels``); writes ``mu_out``."""
-    mus = p.lib.empty((p.batch, p.num_chunks + 1, p.m), p.dtype, p.device)
-    F, G, Gm = (p.lib.empty((p.batch, p.length), p.dtype, p.device) for _ in range(3))
-    flo = p.lib.empty((p.batch, p.num_chunks), p.dtype, p.device)
+def _scan(p: _Problem, lq: Any, lk: Any, kv: Any, log_shift: Any) -> tuple[Any, ...]:
+    """What forward and backward both start with: ``launch``, the input state ``S``,
+    empty ``kv_out`` and ``mu_out`` (written by the kernels), and the stabilisers
+    ``mus, F, G, Gm, flo`` of every chunk (see ``_gpu_kernels``)."""
+    launch = _Launcher(p)
+    state, mu = p.prepare(kv, "state"), p.prepare(log_shift, "shift")
+    kv_out, mu_out = p.empty("state"), p.empty("shift")
+    mus = p.empty((p.batch, p.num_chunks + 1, p.m))
+    F, G, Gm = (p.empty((p.batch, p.length)) for _ in range(3))
+    flo = p.empty((p.batch, p.num_chunks))
     per_block = TILE * TILE
     feature_blocks = -(-p.m // per_block)
     grid = (p.num_chunks, feature_blocks, p.batch)
     launch("chunk_max", grid, (per_block,), lk, mus, p.chunk)
     launch("prefix_max", (feature_blocks, p.batch), (per_block,), mu, mus, mu_out)
     launch("row_stats", (p.num_chunks, p.batch), BLOCK, lq, lk, mus, F, G, Gm, flo, p.chunk)
-    return mus, F, G, Gm, flo
+    return launch, state, kv_out, mu_out, (mus, F, G, Gm, flo)
 
 
 def forward(
@@ -373,40 +342,33 @@ def forward(
 
     Same contract and results as ``linattn.causal.causal`` (see ``linattn_numba``).
     """
-    lib = LIBRARIES[library]
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
-    p = _check(lib, dict(zip(STATE_INPUTS, inputs, strict=True)), chunk_size)
+    p = _check(LIBRARIES[library], _contract.named(inputs), chunk_size)
     with _cuda.gpu(p.device):
-        lq, lk = (lib.prepare(x, p.shape("features"), p.dtype) for x in (log_phi_q, log_phi_k))
-        va = lib.prepare(values_aug, p.shape("values"), p.dtype)
-        out = lib.empty(p.shape("values"), p.dtype, p.device)
+        lq, lk = p.prepare(log_phi_q, "features"), p.prepare(log_phi_k, "features")
+        va = p.prepare(values_aug, "values")
+        out = p.empty("values")
         if p.batch and p.length:
-            state = lib.prepare(kv, p.shape("state"), p.dtype)
-            mu = lib.prepare(log_shift, p.shape("shift"), p.dtype)
-            kv_out = lib.empty(p.shape("state"), p.dtype, p.device)
-            mu_out = lib.empty(p.shape("shift"), p.dtype, p.device)
+            launch, state, kv_out, mu_out, stats = _scan(p, lq, lk, kv, log_shift)
             # The state before every chunk, (B, L / C, m, d_v + 1): about as large as one
             # log-feature array, and it turns the scan over chunks into parallel work.
-            states = lib.empty((p.batch, p.num_chunks, p.m, p.width), p.dtype, p.device)
-            launch = _Launcher(p)
-            stats = _stabilisers(p, launch, lq, lk, mu, mu_out)
-            row_tiles, column_tiles = -(-p.m // TILE), -(-p.width // TILE)
+            states = p.empty((p.batch, p.num_chunks, p.m, p.width))
             grid: tuple[int, ...] = (p.num_chunks * p.tiles, p.batch)
             launch("forward_intra", grid, BLOCK, lq, lk, va, *stats, out, p.chunk, p.tiles)
-            grid = (p.num_chunks, row_tiles * column_tiles, p.batch)
+            grid = (p.num_chunks, p.row_tiles * p.column_tiles, p.batch)
             launch(
-                "chunk_increments", grid, BLOCK, lq, lk, va, *stats, states, p.chunk, row_tiles,
-                KEY_STATE,
+                "chunk_increments", grid, BLOCK, lq, lk, va, *stats, states, p.chunk,
+                p.row_tiles, KEY_STATE,
             )  # fmt: skip
             grid = (-(-p.m * p.width // (TILE * TILE)), p.batch)
             launch("scan_states", grid, (TILE * TILE,), state, stats[0], states, kv_out, False)
-            grid = (p.num_chunks * p.tiles, column_tiles, p.batch)
+            grid = (p.num_chunks * p.tiles, p.column_tiles, p.batch)
             launch(
                 "state_readout", grid, BLOCK, lq, lk, *stats, states, out, p.chunk, p.tiles, QUERY
             )
         else:
-            kv_out = lib.copy(kv, p.shape("state"), p.dtype)
-            mu_out = lib.copy(log_shift, p.shape("shift"), p.dtype)
+            kv_out = p.lib.copy(kv, p.flat("state"), p.dtype)
+            mu_out = p.lib.copy(log_shift, p.flat("shift"), p.dtype)
         return p.result(out, "values"), p.result(kv_out, "state"), p.result(mu_out, "shift")
 
 
@@ -428,36 +390,26 @@ def backward(
     output, whose numerator and denominator share every shift.  Chunk states are
     recomputed forward from ``kv``, never by subtraction.
     """
-    lib = LIBRARIES[library]
-    inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
-    named = dict(zip(STATE_INPUTS, inputs, strict=True))
-    named["d_outputs_aug"] = d_outputs_aug
-    if d_kv_out is not None:
-        named["d_kv_out"] = d_kv_out
-    p = _check(lib, named, chunk_size)
+    inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift, d_outputs_aug, d_kv_out)
+    named = _contract.named(inputs, ("d_outputs_aug", "d_kv_out"))
+    if d_kv_out is None:
+        del named["d_kv_out"]
+    p = _check(LIBRARIES[library], named, chunk_size)
     with _cuda.gpu(p.device):
-        lq, lk = (lib.prepare(x, p.shape("features"), p.dtype) for x in (log_phi_q, log_phi_k))
-        va, d_out = (
-            lib.prepare(x, p.shape("values"), p.dtype) for x in (values_aug, d_outputs_aug)
-        )
-        d_lq, d_lk = (lib.empty(p.shape("features"), p.dtype, p.device) for _ in range(2))
-        d_va = lib.empty(p.shape("values"), p.dtype, p.device)
-        d_kv = lib.empty(p.shape("state"), p.dtype, p.device)
+        lq, lk = p.prepare(log_phi_q, "features"), p.prepare(log_phi_k, "features")
+        va, d_out = p.prepare(values_aug, "values"), p.prepare(d_outputs_aug, "values")
+        d_lq, d_lk, d_va = p.empty("features"), p.empty("features"), p.empty("values")
         if d_kv_out is None:
-            d_final = lib.zeros(p.shape("state"), p.dtype, p.device)
+            d_final = p.lib.zeros(p.flat("state"), p.dtype, p.device)
         else:
-            d_final = lib.prepare(d_kv_out, p.shape("state"), p.dtype)
+            d_final = p.prepare(d_kv_out, "state")
         if p.batch and p.length:
-            state = lib.prepare(kv, p.shape("state"), p.dtype)
-            mu = lib.prepare(log_shift, p.shape("shift"), p.dtype)
-            kv_out = lib.empty(p.shape("state"), p.dtype, p.device)
-            mu_out = lib.empty(p.shape("shift"), p.dtype, p.device)
+            launch, state, kv_out, _, stats = _scan(p, lq, lk, kv, log_shift)
+            d_kv = p.empty("state")
             # S_n (recomputed forward from kv) and dS_{n+1} (a reverse scan) for every chunk.
             shape = (p.batch, p.num_chunks, p.m, p.width)
-            states, d_states = (lib.empty(shape, p.dtype, p.device) for _ in range(2))
-            launch = _Launcher(p)
-            stats = _stabilisers(p, launch, lq, lk, mu, mu_out)
-            row_tiles, column_tiles = -(-p.m // TILE), -(-p.width // TILE)
+            states, d_states = p.empty(shape), p.empty(shape)
+            row_tiles = p.row_tiles
             grid: tuple[int, ...] = (p.num_chunks * p.tiles, p.batch)
             launch(
                 "backward_intra_queries", grid, BLOCK, lq, lk, va, d_out, *stats, d_lq,
@@ -467,7 +419,7 @@ def backward(
                 "backward_intra_keys", grid, BLOCK, lq, lk, va, d_out, *stats, d_lk, d_va,
                 p.chunk, p.tiles,
             )  # fmt: skip
-            grid = (p.num_chunks, row_tiles * column_tiles, p.batch)
+            grid = (p.num_chunks, row_tiles * p.column_tiles, p.batch)
             launch(
                 "chunk_increments", grid, BLOCK, lq, lk, va, *stats, states, p.chunk, row_tiles,
                 KEY_STATE,
@@ -488,13 +440,13 @@ def backward(
                 "feature_readout", grid, BLOCK, lq, lk, va, *stats, d_states, d_lk, p.chunk,
                 p.tiles, KEY_STATE,
             )  # fmt: skip
-            grid = (p.num_chunks * p.tiles, column_tiles, p.batch)
+            grid = (p.num_chunks * p.tiles, p.column_tiles, p.batch)
             launch(
                 "state_readout", grid, BLOCK, lq, lk, *stats, d_states, d_va, p.chunk, p.tiles,
                 KEY_STATE,
             )  # fmt: skip
         else:
-            d_kv = lib.copy(d_final, p.shape("state"), p.dtype)
+            d_kv = p.lib.copy(d_final, p.flat("state"), p.dtype)
         return (
             p.result(d_lq, "features"),
             p.result(d_lk, "features"),

@@ -145,6 +145,26 @@ def test_causality_is_bit_exact() -> None:
         assert not np.array_equal(after[..., cut + 1 :, :], before[..., cut + 1 :, :])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the simulator's NumPy: inf * 0)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("bad", ["nan", "inf", "mixed"])
+def test_later_non_finite_key_leaves_earlier_outputs(bad: str, dtype: type) -> None:
+    """A key whose log-features are NaN or +inf (inside a chunk, inside a query's own
+    tile) is selected away for earlier queries, never multiplied by 0: bit-identical."""
+    args = [a.astype(dtype) for a in _inputs((2,), 13, 6, 3, True, False)]
+    at = 5  # chunk 0 (tokens 0-7); its tile holds query 4 too
+    row = {"nan": np.nan, "inf": np.inf, "mixed": [np.nan, np.inf, -np.inf, 1.0, np.nan, 2.0]}
+
+    def outputs(key: object) -> np.ndarray:
+        lk = args[1].copy()
+        lk[0, at] = key
+        return _forward((args[0], lk, *args[2:]), 8)[0]
+
+    out, ref = outputs(row[bad]), outputs(0.0)
+    np.testing.assert_array_equal(out[0, :at], ref[0, :at])
+    np.testing.assert_array_equal(out[1], ref[1])
+
+
 def test_state_continues_a_sequence() -> None:
     """Feeding a sequence in two pieces through the returned state equals feeding it whole."""
     args = _inputs((2,), 12, 5, 3, False, True)

@@ -311,7 +311,7 @@ def _good() -> list[np.ndarray]:
         (lambda a: a.__setitem__(3, a[3][:, :2]), ValueError, "kv must have shape"),
         (lambda a: a.__setitem__(4, a[4][None]), ValueError, "log_shift must have shape"),
         (lambda a: a.__setitem__(2, a[2].tolist()), TypeError, "values_aug must be a numpy"),
-        (lambda a: a.__setitem__(0, a[0][:, :0]), ValueError, "L, m >= 1"),
+        (lambda a: a.__setitem__(0, a[0][..., :0]), ValueError, "m >= 1"),
     ],
 )
 def test_bad_inputs_raise_before_the_kernel(change: object, error: type, match: str) -> None:
@@ -321,10 +321,25 @@ def test_bad_inputs_raise_before_the_kernel(change: object, error: type, match: 
         cpu.numpy_forward(*arrays, 4)
 
 
-@pytest.mark.parametrize("chunk", [0, -1, 2.0, True])
-def test_bad_chunk_size(chunk: object) -> None:
-    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+@pytest.mark.parametrize(
+    ("chunk", "error"), [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)]
+)
+def test_bad_chunk_size(chunk: object, error: type) -> None:
+    with pytest.raises(error, match="chunk_size must be a positive integer"):
         cpu.numpy_forward(*_good(), chunk)
+
+
+def test_no_tokens_pass_the_state_through() -> None:
+    """``L = 0`` is a valid call (as on the CUDA target): empty outputs, the state as given."""
+    lq, lk, va, kv, mu = (x[:, :0] if x.ndim == 3 and x.shape[1] == 6 else x for x in _good())
+    out, kv_out, mu_out = cpu.numpy_forward(lq, lk, va, kv, mu, 4)
+    assert out.shape == (2, 0, 3)
+    np.testing.assert_array_equal(kv_out, kv)
+    np.testing.assert_array_equal(mu_out, mu)
+    d_kv = np.ones_like(kv)
+    grads = cpu.numpy_backward(lq, lk, va, kv, mu, 4, np.zeros((2, 0, 3)), d_kv)
+    assert [g.shape for g in grads] == [(2, 0, 3)] * 3 + [kv.shape]
+    np.testing.assert_array_equal(grads[3], d_kv)
 
 
 def test_bad_backward_inputs() -> None:
