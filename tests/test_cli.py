@@ -22,15 +22,10 @@ pytest.importorskip("matplotlib")
 
 import linattn as la
 from linattn import cli
-from linattn._cli_backends import BackendUnavailable, load_library
-from linattn._cli_studies import (
-    BenchRow,
-    _crossing,
-    accuracy_study,
-    crossovers,
-    parse_estimator,
-    seed_data,
-)
+from linattn.cli import _backends
+from linattn.cli._accuracy import accuracy_study, parse_estimator, seed_data
+from linattn.cli._backends import BackendUnavailable, load_library
+from linattn.cli._benchmark import BenchRow, _crossing, crossovers
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -253,7 +248,7 @@ def test_unavailable_backend_exits_2(
     def unavailable(name: str, dtype: str) -> None:
         raise BackendUnavailable(f"{name} is installed but finds no GPU")
 
-    monkeypatch.setattr(cli, "load_library", unavailable)
+    monkeypatch.setattr(_backends, "load_library", unavailable)
     assert cli.main(["bench", "--backend", "cupy", "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert "--backend" in error
@@ -326,7 +321,7 @@ def test_accuracy_calibrates_and_tilts(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_fitted_slope_of_exact_power_law() -> None:
-    from linattn._cli_studies import AccuracyRow, fitted_slope
+    from linattn.cli._accuracy import AccuracyRow, fitted_slope
 
     rows = [AccuracyRow("e", m, "mse", 3.0 / m, 0.0, 0.0, 1) for m in (8, 16, 64)]
     assert fitted_slope(rows, "e") == pytest.approx(-1.0)
