@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,11 +40,14 @@ def format_bytes(count: float) -> str:
     return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
 
 
+@dataclass(frozen=True)
 class MemoryNeed:
     """Bytes a run needs on the host and, for accelerator arrays, on the device."""
 
-    def __init__(self, host: int, device: int, what: str) -> None:
-        self.host, self.device, self.what = host, device, what
+    host: int
+    device: int
+    what: str  # what dominates, for the message
+    length: int
 
 
 def accuracy_memory(length: int, head_dim: int, num_features: int, itemsize: int) -> MemoryNeed:
@@ -56,12 +60,8 @@ def accuracy_memory(length: int, head_dim: int, num_features: int, itemsize: int
     features = 6 * length * num_features * FLOAT64
     data = 5 * length * head_dim * FLOAT64
     library = 3 * length * (head_dim + num_features) * itemsize
-    return MemoryNeed(
-        square + features + data,
-        library,
-        f"the exact reference's {length:,} x {length:,} "
-        "float64 attention weights, the features and the data",
-    )
+    what = "mostly the exact reference's L x L float64 attention weights"
+    return MemoryNeed(square + features + data, library, what, length)
 
 
 def bench_memory(
@@ -84,16 +84,14 @@ def bench_memory(
     inputs = 4 * rows * head_dim * itemsize
     linear = 6 * rows * num_features * itemsize
     method = linear
-    what = f"B={batch:,}, H={heads:,}, L={length:,} inputs and linear attention's features"
+    what = "the inputs and linear attention's features"
     if exact:
         square = 3 * rows * length * itemsize + (2 * length * length if causal else 0)
         if square > method:
             method = square
-            what = (
-                f"exact attention's B x H x L x L = {batch:,} x {heads:,} x {length:,}^2 weights"
-            )
+            what = "mostly exact attention's B x H x L x L weights"
     host_draw = 3 * rows * head_dim * FLOAT64  # two float64 draws and a scaled copy
-    return MemoryNeed(host_draw, inputs + method, what)
+    return MemoryNeed(host_draw, inputs + method, what, length)
 
 
 def _log_squared_norms(z: np.ndarray, log_scale: np.ndarray) -> np.ndarray:
@@ -151,6 +149,21 @@ def power_of_ten(log_value: float) -> str:
     exponent = log_value / math.log(10)
     mantissa = 10 ** (exponent - math.floor(exponent))
     return f"{mantissa:.2f}e+{math.floor(exponent)}"
+
+
+def round_down(value: float) -> str:
+    """``value`` to three significant digits, never above it (a limit users may pass).
+
+    Examples
+    --------
+    >>> round_down(8.7689)
+    '8.76'
+    """
+    text = f"{value:.3g}"
+    if float(text) > value:
+        step = 10 ** (math.floor(math.log10(value)) - 2)
+        text = f"{float(text) - step:.3g}"
+    return text
 
 
 def oversized(options: Sequence[tuple[str, float, float]]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -305,7 +305,9 @@ def _add_bench_selection(parser: argparse.ArgumentParser) -> None:
 # -- the parser ------------------------------------------------------------------------
 
 
-def build_parser(run: dict[str, Callable[[argparse.Namespace], int]]) -> argparse.ArgumentParser:
+def build_parser(
+    run: Mapping[str, Callable[[argparse.Namespace], int]],
+) -> argparse.ArgumentParser:
     """The ``linattn`` argument parser; ``run`` maps each command to its function."""
     parser = argparse.ArgumentParser(
         prog="linattn",

@@ -84,7 +84,7 @@ def _check_fits(option: str, asked: str, need: _limits.MemoryNeed, library: Arra
             raise UsageError(
                 option,
                 f"{asked} needs about {_limits.format_bytes(needed)} ({need.what}), more than "
-                f"the {_limits.format_bytes(free)} of {where}; ask for less",
+                f"the {_limits.format_bytes(free)} of {where}; ask for a smaller {option}",
             )
 
 
@@ -97,7 +97,7 @@ def check_accuracy_limits(args: argparse.Namespace, library: ArrayLibrary) -> No
     m = max(args.num_features)
     sizes.append(("--num-features", m, max(parser.get_default("num_features") or [0])))
     need = _limits.accuracy_memory(args.length, args.head_dim, m, _itemsize(args.dtype))
-    asked = f"L={args.length:,}, d={args.head_dim:,}, m={m:,}"
+    asked = f"L={args.length:,} with d={args.head_dim:,}, m={m:,}"
     _check_fits(_limits.oversized(sizes), asked, need, library)
     _check_input_range(args)
 
@@ -122,14 +122,14 @@ def _check_input_range(args: argparse.Namespace) -> None:
         raise UsageError(
             "--anisotropy",
             f"{args.anisotropy:g} {reach}; at --input-scale {args.input_scale:g} it may be at "
-            f"most {largest:.3g}",
+            f"most {_limits.round_down(largest)}",
         )
     unit = _limits.log_exponent(*shape, 1.0, args.anisotropy, args.data_seed)
     largest = math.exp(0.5 * (math.log(limit) - unit))
     raise UsageError(
         "--input-scale",
         f"{args.input_scale:g} {reach}; with this --length, --head-dim, --anisotropy and "
-        f"--data-seed it may be at most {largest:.3g}",
+        f"--data-seed it may be at most {_limits.round_down(largest)}",
     )
 
 
@@ -160,7 +160,7 @@ def check_bench_limits(args: argparse.Namespace, setup: BenchSetup, library: Arr
         ("--num-features", setup.num_features, default("bench_num_features")),
     ]
     asked = (
-        f"B={setup.batch:,}, H={setup.heads:,}, d={setup.head_dim:,}, "
+        f"L={need.length:,} with B={setup.batch:,}, H={setup.heads:,}, d={setup.head_dim:,}, "
         f"m={setup.num_features:,} in {setup.dtype}"
     )
     _check_fits(_limits.oversized(sizes), asked, need, library)
