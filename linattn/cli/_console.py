@@ -87,7 +87,7 @@ def _plain_table(table: Table) -> str:
         lines.append("  ".join("-" * w for w in widths))
     for row in table.rows:
         lines.append("  ".join("-" * w for w in widths) if row is None else line(row))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n"  # a blank line between tables
 
 
 class Console:
