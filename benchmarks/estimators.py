@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 
-from linattn._cli_backends import load_library
-from linattn._cli_studies import accuracy_study, parse_estimator
+from linattn.cli._accuracy import accuracy_study, parse_estimator
+from linattn.cli._backends import load_library
 
 ESTIMATORS = [
     "positive-iid",

@@ -10,7 +10,7 @@ inputs through :meth:`Backend.asarray` and its results are checked with
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +19,8 @@ from typing import Any
 import array_api_compat
 import numpy as np
 import pytest
+
+from linattn import _libraries as libraries
 
 
 @dataclass
@@ -55,80 +57,36 @@ class Backend:
         return np.asarray(to_host(x), dtype=np.float64)
 
 
-def _numpy(x: np.ndarray) -> np.ndarray:
-    return np.array(x, copy=True)
-
-
-def _numpy_readonly(x: np.ndarray) -> np.ndarray:
-    y = np.array(x, copy=True)
+def _readonly(x: np.ndarray) -> np.ndarray:
+    y = libraries.from_host("numpy", x)
     y.setflags(write=False)
     return y
 
 
-def _strict(x: np.ndarray) -> Any:
-    import array_api_strict as xps
-
-    return xps.asarray(x, device=xps.Device("device1"))
-
-
-def _torch(x: np.ndarray) -> Any:
-    import torch
-
-    return torch.asarray(np.array(x, copy=True))
-
-
-def _jax(x: np.ndarray) -> Any:
-    import jax.numpy as jnp
-
-    return jnp.asarray(x)
-
-
-def _dask(x: np.ndarray) -> Any:
-    import dask.array as da
-
-    chunks = tuple(max(1, (n + 1) // 2) for n in x.shape) if x.ndim else ()
-    return da.from_array(np.array(x, copy=True), chunks=chunks)
-
-
-def _cupy(x: np.ndarray) -> Any:
-    import cupy
-
-    return cupy.asarray(x)
-
-
-def _strict_device() -> Any:
-    import array_api_strict as xps
-
-    return xps.Device("device1")
+def _adapter(name: str) -> Callable[[np.ndarray], Any]:
+    return functools.partial(libraries.from_host, name)
 
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in [
-        Backend("numpy", "numpy", _numpy),
-        Backend("numpy_readonly", "numpy", _numpy_readonly),
-        Backend("array_api_strict", "array_api_strict", _strict),
-        Backend("torch", "torch", _torch),
-        Backend("jax", "jax", _jax),
-        Backend("dask", "dask", _dask),
-        Backend("cupy", "cupy", _cupy),
+        Backend("numpy", "numpy", _adapter("numpy")),
+        Backend("numpy_readonly", "numpy", _readonly),
+        Backend("array_api_strict", "array_api_strict", _adapter("array_api_strict")),
+        Backend("torch", "torch", _adapter("torch")),
+        Backend("jax", "jax", _adapter("jax")),
+        Backend("dask", "dask", _adapter("dask")),
+        Backend("cupy", "cupy", _adapter("cupy")),
     ]
 }
 
 
 def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    return libraries.installed(module)
 
 
 def _cupy_usable() -> bool:
-    if not _installed("cupy"):
-        return False
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    return libraries.unusable_reason("cupy") is None
 
 
 def selected_backends() -> list[str]:

@@ -22,15 +22,10 @@ pytest.importorskip("matplotlib")
 
 import linattn as la
 from linattn import cli
-from linattn._cli_backends import BackendUnavailable, load_library
-from linattn._cli_studies import (
-    BenchRow,
-    _crossing,
-    accuracy_study,
-    crossovers,
-    parse_estimator,
-    seed_data,
-)
+from linattn.cli import _backends
+from linattn.cli._accuracy import accuracy_study, parse_estimator, seed_data
+from linattn.cli._backends import BackendUnavailable, load_library
+from linattn.cli._benchmark import BenchRow, _crossing, crossovers
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -253,7 +248,7 @@ def test_unavailable_backend_exits_2(
     def unavailable(name: str, dtype: str) -> None:
         raise BackendUnavailable(f"{name} is installed but finds no GPU")
 
-    monkeypatch.setattr(cli, "load_library", unavailable)
+    monkeypatch.setattr(_backends, "load_library", unavailable)
     assert cli.main(["bench", "--backend", "cupy", "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert "--backend" in error
@@ -326,7 +321,7 @@ def test_accuracy_calibrates_and_tilts(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_fitted_slope_of_exact_power_law() -> None:
-    from linattn._cli_studies import AccuracyRow, fitted_slope
+    from linattn.cli._accuracy import AccuracyRow, fitted_slope
 
     rows = [AccuracyRow("e", m, "mse", 3.0 / m, 0.0, 0.0, 1) for m in (8, 16, 64)]
     assert fitted_slope(rows, "e") == pytest.approx(-1.0)
@@ -350,3 +345,164 @@ def test_readme_example_runs(index: int) -> None:
             if library == "cupy" and module.cuda.runtime.getDeviceCount() == 0:
                 pytest.skip("cupy needs a CUDA GPU")
     exec(compile(source, f"README.md block {index}", "exec"), {})
+
+
+# -- requests that cannot run end in a message and exit status 2 -------------------------
+
+
+def _error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    return " ".join(error.split())
+
+
+@pytest.mark.parametrize("kind", ["oprf", "hyperbolic_oprf"])
+def test_bench_calibrates_oprf_kinds(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Causal OPRF needs fixed statistics: the benchmark calibrates on its own inputs."""
+    args = ["bench", "--out", str(tmp_path), "--lengths", "16", "--heads", "1", "--head-dim"]
+    args += ["4", "--num-features", "8", "--repeats", "1", "--kind", kind, "--format", "json"]
+    assert cli.main(args) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert {(r["method"], r["mode"]) for r in payload["results"]} == {
+        (method, mode) for method in ("exact", "linear") for mode in ("bidirectional", "causal")
+    }
+    assert all(r["seconds"] > 0 for r in payload["results"])
+    assert (
+        "calibrated on each length's generated queries and keys"
+        in (payload["machine"]["calibration"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "asked", "limit"),
+    [
+        (["--input-scale", "1e200"], "--input-scale", "1e+200", "709.8"),
+        (["--anisotropy", "1000"], "--anisotropy", "1000", "709.8"),
+        (["--input-scale", "20", "--dtype", "float32"], "--input-scale", "20", "88.7"),
+    ],
+)
+def test_overflowing_inputs_exit_2_with_the_largest_allowed(
+    argv: list[str],
+    option: str,
+    asked: str,
+    limit: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    common = ["accuracy", "--out", str(tmp_path), "--seeds", "1", "--num-features", "8"]
+    common += ["--length", "8", "--head-dim", "4", "--format", "json"]
+    error = _error_of([*common, *argv], capsys)
+    assert f"argument {option}: {asked} gives" in error
+    assert limit in error
+    largest = re.search(r"may be at most (\S+)$", error)
+    assert largest is not None, error
+    # The largest value the message allows runs, and gives finite errors.
+    allowed = [*argv[:-1], largest.group(1)] if len(argv) == 2 else [option, largest.group(1)]
+    allowed += argv[2:] if len(argv) > 2 else []
+    assert cli.main([*common, *allowed]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert all(math.isfinite(r["mean"]) for r in results)
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["bench", "--lengths", "1000000000"], "--lengths"),
+        (["bench", "--lengths", "1e9"], "--lengths"),
+        (["bench", "--heads", "1e7"], "--heads"),
+        (["bench", "--batch", "100000000000", "--lengths", "8"], "--batch"),
+        (["accuracy", "--length", "10000000"], "--length"),
+        (["demo", "--lengths", "10000000"], "--lengths"),
+    ],
+)
+def test_sizes_beyond_memory_exit_2_before_allocating(
+    argv: list[str], option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    error = _error_of([*argv, "--out", str(tmp_path)], capsys)
+    assert f"argument {option}: L=" in error
+    assert re.search(r"needs about [\d.]+ [GPTE]iB", error), error
+    assert "of available host memory" in error
+
+
+def test_memory_check_uses_what_is_available(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from linattn.cli import _preflight
+
+    monkeypatch.setattr(_preflight, "available_memory", lambda: (2**20, "test memory"))
+    args = ["bench", "--out", str(tmp_path), "--lengths", "64,1024", "--heads", "2"]
+    error = _error_of(args, capsys)
+    assert "argument --lengths: L=1,024 with B=1, H=2, d=64, m=256 in float32" in error
+    assert "more than the 1.0 MiB of test memory" in error
+
+
+def test_available_memory_without_psutil(monkeypatch: pytest.MonkeyPatch) -> None:
+    from linattn.cli._machine import available_memory
+
+    if not Path("/proc/meminfo").is_file():
+        pytest.skip("needs /proc/meminfo")
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    found, source = available_memory()
+    assert found is not None and found > 0
+    assert "MemAvailable" in source
+
+
+def test_info_keeps_the_brackets_of_install_hints(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from linattn import _dispatch
+
+    hint = "numba-cuda is not installed; install linattn[cuda]"
+    monkeypatch.setattr(_dispatch, "kernel_status", lambda: {"numba-cpu": "x", "numba-cuda": hint})
+    assert cli.main(["info"]) == 0
+    assert "install linattn[cuda]" in " ".join(capsys.readouterr().out.split())
+
+
+BLOCK_IMPORTS = """
+import importlib.abc, runpy, sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"No module named {{name!r}} (blocked by the test)")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+sys.argv = ["linattn", *{argv!r}]
+runpy.run_module("linattn", run_name="__main__")
+"""
+
+
+def _run_without(modules: set[str], argv: list[str]) -> subprocess.CompletedProcess[str]:
+    code = BLOCK_IMPORTS.format(blocked=modules, argv=argv)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300
+    )
+
+
+def test_info_with_the_base_install_only() -> None:
+    """No rich, matplotlib, psutil, threadpoolctl or numba: plain text and install hints."""
+    optional = {"rich", "matplotlib", "psutil", "threadpoolctl", "numba", "linattn_numba"}
+    done = _run_without(optional, ["info"])
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout
+    assert "Array backends" in printed
+    assert re.search(r"^backend +available +device", printed, flags=re.MULTILINE), printed
+    assert "numba is not installed; install linattn[numba]" in printed
+    assert "install linattn[cuda]" in printed
+
+
+def test_plotting_commands_without_matplotlib_exit_2(tmp_path: Path) -> None:
+    done = _run_without({"matplotlib"}, ["bench", "--out", str(tmp_path), "--lengths", "8"])
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert 'pip install "linattn[cli]"' in done.stderr
+
+
+def test_the_library_never_imports_the_cli() -> None:
+    code = "import sys, linattn; print(sorted(m for m in sys.modules if 'cli' in m))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "linattn.cli" not in done.stdout

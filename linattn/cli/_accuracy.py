@@ -1,18 +1,14 @@
-"""The studies behind ``linattn accuracy``, ``bench`` and ``demo``: plain functions, no I/O.
+"""The accuracy study behind ``linattn accuracy`` and ``demo``: plain functions, no I/O.
 
-The accuracy study is the seed's experiment done right (``MATH.md`` section 7):
-fixed data ``Q, K ~ scale * N(0, 1)``, ``V ~ N(0, 1)``, one exact reference in
-NumPy float64, and the error of each estimator averaged over independent
-projection draws.  The benchmark times exact and linear attention as the
-sequence grows and finds the length where linear attention starts to win.
+The seed's experiment done right (``MATH.md`` section 7): fixed data
+``Q, K ~ scale * N(0, 1)``, ``V ~ N(0, 1)``, one exact reference in NumPy float64,
+and the error of each estimator averaged over independent projection draws.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,27 +16,25 @@ from typing import Any
 import numpy as np
 
 import linattn as la
-from linattn._cli_backends import ArrayLibrary
 from linattn._xp import to_host
+from linattn.cli._backends import ArrayLibrary
 from linattn.features import SOFTMAX_KINDS
 
 __all__ = [
     "AccuracyRow",
-    "BenchRow",
-    "Crossover",
     "Estimator",
     "accuracy_study",
-    "benchmark",
-    "crossovers",
     "fitted_slope",
     "parse_estimator",
     "random_kinds",
+    "seed_data",
 ]
 
 Step = Callable[[], None]
 
 
-def _no_step() -> None:
+def no_step() -> None:
+    """The default ``on_step``: progress is not reported."""
     return None
 
 
@@ -188,7 +182,7 @@ def accuracy_study(
     data_seed: int = 0,
     causal: bool = False,
     metrics: Sequence[str] = tuple(METRICS),
-    on_step: Step = _no_step,
+    on_step: Step = no_step,
 ) -> list[AccuracyRow]:
     """Error of each estimator against exact softmax attention, per feature count.
 
@@ -200,7 +194,7 @@ def accuracy_study(
 
     Examples
     --------
-    >>> from linattn._cli_backends import load_library
+    >>> from linattn.cli._backends import load_library
     >>> rows = accuracy_study(
     ...     load_library("numpy", "float64"), [parse_estimator("positive-orf")], [16, 64],
     ...     length=16, head_dim=8, draws=4)
@@ -300,152 +294,3 @@ def fitted_slope(rows: Sequence[AccuracyRow], estimator: str, metric: str = "mse
         return math.nan
     x, y = np.log([p[0] for p in points]), np.log([p[1] for p in points])
     return float(np.polyfit(x, y, 1)[0])
-
-
-# -- speed and memory ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BenchRow:
-    """Best time and peak memory of one method and mode at one sequence length."""
-
-    length: int
-    method: str
-    mode: str
-    seconds: float | None
-    peak_bytes: int | None
-    note: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-METHODS = ("exact", "linear")
-MODES = ("bidirectional", "causal")
-
-
-@dataclass(frozen=True)
-class BenchSetup:
-    """The workload: ``(batch, heads, L, head_dim)`` inputs and the feature map of linear."""
-
-    batch: int = 1
-    heads: int = 8
-    head_dim: int = 64
-    num_features: int = 256
-    kind: str = "positive"
-    dtype: str = "float32"
-    repeats: int = 3
-    max_exact_length: int = 4096
-    seed: int = 0
-
-
-def benchmark(
-    library: ArrayLibrary,
-    lengths: Sequence[int],
-    setup: BenchSetup,
-    *,
-    methods: Sequence[str] = METHODS,
-    modes: Sequence[str] = MODES,
-    on_step: Step = _no_step,
-) -> list[BenchRow]:
-    """Time (best of ``setup.repeats``) and peak memory for each length, method and mode.
-
-    Each method and mode is called once before timing at the first length (and at
-    every length for JAX, which compiles per shape), so compile time is excluded.
-    Peak memory comes from one extra call under ``library.peak_memory``.
-    ``on_step`` is called once per (length, method, mode).
-    """
-    feature_map = la.FeatureMap(
-        setup.head_dim,
-        setup.num_features,
-        kind=setup.kind,  # type: ignore[arg-type]
-        seed=setup.seed,
-    )
-    rng = np.random.default_rng(setup.seed)
-    warmed: set[tuple[str, str]] = set()
-    rows = []
-    for length in lengths:
-        shape = (setup.batch, setup.heads, length, setup.head_dim)
-        q, k, v = (library.asarray(0.5 * rng.standard_normal(shape)) for _ in range(3))
-        for method in methods:
-            for mode in modes:
-                if method == "exact" and length > setup.max_exact_length:
-                    rows.append(
-                        BenchRow(length, method, mode, None, None, "skipped: > max exact length")
-                    )
-                    on_step()
-                    continue
-                call = _attention_call(method, mode == "causal", q, k, v, feature_map)
-                if (method, mode) not in warmed or library.name == "jax":
-                    library.wait(call())
-                    warmed.add((method, mode))
-                best = math.inf
-                for _ in range(setup.repeats):
-                    start = time.perf_counter()
-                    library.wait(call())
-                    best = min(best, time.perf_counter() - start)
-                gc.collect()
-                with library.peak_memory() as peak:
-                    out = call()
-                    library.wait(out)
-                    del out
-                rows.append(BenchRow(length, method, mode, best, peak.bytes))
-                on_step()
-        del q, k, v
-        gc.collect()
-    return rows
-
-
-def _attention_call(
-    method: str, causal: bool, q: Any, k: Any, v: Any, feature_map: la.FeatureMap
-) -> Callable[[], Any]:
-    if method == "exact":
-        return lambda: la.softmax_attention(q, k, v, causal=causal)
-    return lambda: la.linear_attention(q, k, v, feature_map, causal=causal)
-
-
-@dataclass(frozen=True)
-class Crossover:
-    """Where linear attention starts to beat exact attention in one quantity."""
-
-    mode: str
-    quantity: str
-    length: float | None
-    text: str
-
-
-def _crossing(points: list[tuple[int, float]]) -> tuple[float | None, str]:
-    """First length where the ratio linear/exact drops below 1, interpolated in log-log."""
-    if not points:
-        return None, "not measured"
-    for i, (length, ratio) in enumerate(points):
-        if ratio < 1:
-            if i == 0:
-                return None, f"≤ {length} (linear wins at every length measured)"
-            before, ratio_before = points[i - 1]
-            frac = math.log(ratio_before) / (math.log(ratio_before) - math.log(ratio))
-            value = math.exp(math.log(before) + frac * (math.log(length) - math.log(before)))
-            return value, f"≈ {value:,.0f}"
-    return None, f"> {points[-1][0]} (exact wins at every length measured)"
-
-
-def crossovers(rows: Sequence[BenchRow]) -> list[Crossover]:
-    """Crossover lengths for time and memory, bidirectional and causal."""
-    found = []
-    for mode in MODES:
-        for quantity, field in (("time", "seconds"), ("peak memory", "peak_bytes")):
-            table: dict[tuple[str, int], float] = {}
-            for r in rows:
-                value = getattr(r, field)
-                if r.mode == mode and value is not None:
-                    table[(r.method, r.length)] = float(value)
-            points = [
-                (length, max(table[("linear", length)] / table[("exact", length)], 1e-12))
-                for length in sorted({r.length for r in rows})
-                if ("linear", length) in table and table.get(("exact", length), 0) > 0
-            ]
-            if not points and not any(r.mode == mode for r in rows):
-                continue
-            length, text = _crossing(points)
-            found.append(Crossover(mode, quantity, length, text))
-    return found

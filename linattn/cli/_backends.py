@@ -1,7 +1,8 @@
-"""Array libraries for the command line: make arrays, wait for results, measure peak memory.
+"""The array libraries ``--backend`` offers: device, peak-memory probe, free memory.
 
-Only the CLI imports this module.  Each library is imported when it is asked for,
-never before, so ``linattn info`` and ``linattn demo`` work with NumPy alone.
+Arrays are made and waited for by :mod:`linattn._libraries` (the adapters the test
+suite uses too); this module adds what only the benchmarks need.  Each library is
+imported when it is asked for, never before, so ``linattn info`` works with NumPy alone.
 """
 
 from __future__ import annotations
@@ -10,10 +11,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
-import importlib
-import importlib.metadata
-import os
-import platform
 import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,14 +18,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "ARRAY_LIBRARIES",
-    "ArrayLibrary",
-    "BackendUnavailable",
-    "load_library",
-    "machine_info",
-    "package_version",
-]
+from linattn import _libraries
+
+__all__ = ["ARRAY_LIBRARIES", "ArrayLibrary", "BackendUnavailable", "load_library"]
 
 #: The array libraries ``--backend`` accepts.
 ARRAY_LIBRARIES = ("numpy", "torch", "jax", "cupy")
@@ -56,27 +48,26 @@ class ArrayLibrary:
     wait: Callable[[Any], None]
     peak_memory: Callable[[], contextlib.AbstractContextManager[PeakMemory]]
     memory_method: str
-
-
-def package_version(distribution: str) -> str | None:
-    """The installed version of a distribution, or None."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    #: Free bytes on the device, or None for host arrays (then host memory counts).
+    free_memory: Callable[[], int | None] = lambda: None
 
 
 def load_library(name: str, dtype: str) -> ArrayLibrary:
-    """The array library ``name`` ready for ``dtype`` arrays, or :class:`BackendUnavailable`."""
+    """The array library ``name`` ready for ``dtype`` arrays, or :class:`BackendUnavailable`.
+
+    Examples
+    --------
+    >>> load_library("numpy", "float32").asarray(np.zeros(2)).dtype
+    dtype('float32')
+    """
     loaders = {"numpy": _numpy, "torch": _torch, "jax": _jax, "cupy": _cupy}
+    reason = _libraries.unusable_reason(name)
+    if reason is not None:
+        raise BackendUnavailable(reason)
     try:
         return loaders[name](dtype)
     except ImportError as error:
         raise BackendUnavailable(f"{name} cannot be imported ({error})") from None
-
-
-def _nothing(_: Any) -> None:
-    return None
 
 
 # -- memory probes ------------------------------------------------------------------
@@ -172,8 +163,8 @@ def _numpy(dtype: str) -> ArrayLibrary:
         name="numpy",
         version=np.__version__,
         device="cpu",
-        asarray=lambda x: np.ascontiguousarray(x, dtype=dtype),
-        wait=_nothing,
+        asarray=functools.partial(_libraries.from_host, "numpy", dtype=dtype),
+        wait=_libraries.wait,
         peak_memory=_tracemalloc_peak,
         memory_method=(
             "tracemalloc peak of NumPy allocations during the call, inputs excluded, "
@@ -187,15 +178,8 @@ def _torch(dtype: str) -> ArrayLibrary:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = getattr(torch, dtype)
-
-    def asarray(x: np.ndarray) -> Any:
-        return torch.asarray(np.ascontiguousarray(x), dtype=torch_dtype, device=device)
-
+    asarray = functools.partial(_libraries.from_host, "torch", dtype=dtype, device=device)
     if device == "cuda":
-
-        def wait(_: Any) -> None:
-            torch.cuda.synchronize()
 
         @contextlib.contextmanager
         def peak() -> Iterator[PeakMemory]:
@@ -214,12 +198,13 @@ def _torch(dtype: str) -> ArrayLibrary:
             torch.__version__,
             f"cuda ({torch.cuda.get_device_name()})",
             asarray,
-            wait,
+            _libraries.wait,
             peak,
             "torch.cuda.max_memory_allocated above the level before the call",
+            lambda: int(torch.cuda.mem_get_info()[0]),
         )
     return ArrayLibrary(
-        "torch", torch.__version__, "cpu", asarray, _nothing, _rss_peak, RSS_METHOD
+        "torch", torch.__version__, "cpu", asarray, _libraries.wait, _rss_peak, RSS_METHOD
     )
 
 
@@ -228,16 +213,7 @@ def _jax(dtype: str) -> ArrayLibrary:
 
     if dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    import jax.numpy as jnp
-
     device = jax.devices()[0]
-
-    def asarray(x: np.ndarray) -> Any:
-        return jax.device_put(jnp.asarray(x, dtype=dtype), device)
-
-    def wait(x: Any) -> None:
-        jax.block_until_ready(x)
-
     on_cpu = device.platform == "cpu"
     return ArrayLibrary(
         "jax",
@@ -245,37 +221,39 @@ def _jax(dtype: str) -> ArrayLibrary:
         device.platform
         if device.device_kind == device.platform
         else f"{device.platform} ({device.device_kind})",
-        asarray,
-        wait,
+        functools.partial(_libraries.from_host, "jax", dtype=dtype, device=device),
+        _libraries.wait,
         _rss_peak if on_cpu else _no_probe,
         RSS_METHOD if on_cpu else "not measured on accelerators (no resettable peak in JAX)",
+        (lambda: None) if on_cpu else functools.partial(_jax_free_memory, device),
     )
+
+
+def _jax_free_memory(device: Any) -> int | None:
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
 def _cupy(dtype: str) -> ArrayLibrary:
     import cupy
 
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # CUDARuntimeError without a driver
-        raise BackendUnavailable(f"cupy is installed but finds no GPU ({error})") from None
-    if count == 0:
-        raise BackendUnavailable("cupy is installed but finds no GPU")
     pool = cupy.get_default_memory_pool()
 
-    def wait(_: Any) -> None:
+    def sync() -> None:
         cupy.cuda.get_current_stream().synchronize()
 
     @contextlib.contextmanager
     def peak() -> Iterator[PeakMemory]:
         result = PeakMemory()
-        wait(None)
+        sync()
         pool.free_all_blocks()
         before = pool.total_bytes()
         try:
             yield result
         finally:
-            wait(None)
+            sync()
             result.bytes = max(0, pool.total_bytes() - before)
 
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
@@ -284,72 +262,9 @@ def _cupy(dtype: str) -> ArrayLibrary:
         "cupy",
         cupy.__version__,
         f"cuda ({name})",
-        lambda x: cupy.asarray(x, dtype=dtype),
-        wait,
+        functools.partial(_libraries.from_host, "cupy", dtype=dtype),
+        _libraries.wait,
         peak,
         "growth of CuPy's memory pool during the call (pool emptied before)",
+        lambda: int(cupy.cuda.runtime.memGetInfo()[0]) + int(pool.free_bytes()),
     )
-
-
-# -- the machine ------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    with (
-        contextlib.suppress(OSError),
-        open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info,
-    ):
-        for line in info:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def _memory_total() -> str:
-    try:
-        import psutil
-
-        return f"{psutil.virtual_memory().total / 2**30:.1f} GiB"
-    except ImportError:
-        kib = None
-        with (
-            contextlib.suppress(OSError, ValueError),
-            open("/proc/meminfo", encoding="ascii") as info,
-        ):
-            kib = int(info.readline().split()[1])
-        return "unknown" if kib is None else f"{kib / 2**20:.1f} GiB"
-
-
-def _blas() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "unknown (threadpoolctl not installed)"
-    pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
-    if not pools:
-        return "unknown"
-    pool = pools[0]
-    return f"{pool.get('internal_api')} {pool.get('version')}, {pool.get('num_threads')} threads"
-
-
-def machine_info() -> dict[str, str]:
-    """What a benchmark result depends on: CPU, cores, memory, Python, NumPy, BLAS."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    usable = len(affinity(0)) if affinity is not None else os.cpu_count()
-    return {
-        "cpu": _cpu_model(),
-        "cores": f"{usable} usable of {os.cpu_count()} logical",
-        "memory": _memory_total(),
-        "system": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "blas": _blas(),
-    }
-
-
-def import_optional(module: str) -> Any | None:
-    """``module`` if it imports, else None."""
-    try:
-        return importlib.import_module(module)
-    except Exception:
-        return None
