@@ -12,8 +12,9 @@ import inspect
 import re
 from typing import Any
 
-import linattn
 from numpydoc.xref import DEFAULT_LINKS
+
+import linattn
 
 project = "linattn"
 author = "The linattn developers"
@@ -113,12 +114,16 @@ def _resolve_reexported(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     )
 
 
-def _describe_attribute(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
+def _describe_attribute(
+    app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]
+) -> None:
     """Give an attribute without its own docstring the description its class gives it.
 
     Frozen value objects (``FeatureMap``, ``LinearAttentionState``) describe their
     fields in the class docstring, under Attributes or (stored constructor arguments)
-    Parameters; the attribute's own entry repeats that description.
+    Parameters; the attribute's own entry repeats that description.  Sphinx fires no
+    event for an instance attribute without any docstring (a dataclass field without
+    slots): such a field needs a ``#:`` comment, which autodoc reads and this keeps.
     """
     if what != "attribute" or any(line.strip() for line in lines):
         return
