@@ -1,4 +1,4 @@
-"""The seed's experiment done right (MATH.md section 7): attention MSE against m.
+"""The seed's experiment done right (docs/algorithm.md, section 15): attention MSE against m.
 
 Run: ``python benchmarks/seed_experiment.py`` (about 20 s).  n=64, d=32,
 Q, K ~ 0.3 N(0, 1), V ~ N(0, 1) (seed 42), float64, bidirectional; mean over 50

@@ -147,7 +147,7 @@ def fused_causal(
     the compute dtype.  It never holds an ``L x m`` feature array (the path for long
     sequences).  ``None`` means: compute features and call :func:`causal`.
     """
-    if resolve_backend(backend) == "array_api" or not feature_map.spec.fused:
+    if resolve_backend(backend) == "array_api" or not feature_map._spec.fused:
         return None
     if feature_map.rebalance_scales is not None or feature_map.projection is None:
         return None  # rebalanced queries and keys differ: the fused pass does not take them

@@ -7,7 +7,7 @@ scaled input ``x_s`` (:meth:`linattn.FeatureMap.signed_log_features` computes bo
 deterministic kinds work on ``x`` itself.  Adding a kind means adding one object to
 :data:`KIND_SPECS` (and, only if it should run in the fused CPU pass, a kernel).
 
-The formulas are in ``docs/algorithm.md`` (section "Feature maps").
+The formulas are in ``docs/algorithm.md`` (sections 3 and 5).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class FeatureKind:
         The fused CPU kernel computes these features itself (``linattn_numba.cpu``).
     overflow : float
         The log-feature of an input too large for its squared norm to be computed
-        (:data:`linattn.features.overflow_limit`): ``-inf`` where the true value lies
+        (:func:`linattn.features.overflow_limit`): ``-inf`` where the true value lies
         below the float range (the Gaussian kinds: ``|x|^2 / 2`` dominates), NaN where
         it is not representable.
     """

@@ -1,4 +1,4 @@
-"""Query/key statistics for the lower-variance estimators (``MATH.md`` section 1).
+"""Query/key statistics for the lower-variance estimators (``docs/algorithm.md``, section 14).
 
 * OPRF / FAVOR++: the closed-form optimal ``A*`` from ``rho = E|x + y|^2 / d``.
 * SADERF rebalancing: the diagonal ``Psi`` that balances per-coordinate query and

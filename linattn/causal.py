@@ -4,7 +4,7 @@ All functions take log-features (``-inf`` for masked keys) and return *unnormali
 outputs ``[numerator | denominator]``; :func:`normalise` divides.  Every exponent
 is non-positive, so nothing overflows, and no epsilon is added anywhere.
 
-The chunked causal form (``MATH.md`` sections 3-4) keeps the state ``(S, mu)`` at
+The chunked causal form (``docs/algorithm.md``, sections 7-9) keeps the state ``(S, mu)`` at
 chunk boundaries.  Inside a chunk, token ``t`` may only be stabilised by tokens
 ``<= t`` (anything else leaks the future through rounding and underflow), so the
 chunk uses shifts that factor through the matrix products:

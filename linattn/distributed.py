@@ -1,6 +1,6 @@
 """Batch- and sequence-parallel linear attention on Dask arrays.
 
-Two ways to spread linear attention over a Dask cluster (``MATH.md`` sections 3-4):
+Two ways to spread linear attention over a Dask cluster (``docs/algorithm.md``, section 7):
 
 * :func:`batch_parallel_attention` -- data parallelism.  Whole sequences are the unit
   of work: the leading (batch, head) axes keep their chunks, each block runs
@@ -10,7 +10,7 @@ Two ways to spread linear attention over a Dask cluster (``MATH.md`` sections 3-
   longer than one worker holds.  Each sequence chunk reduces its keys to the
   stabilised state ``(S, mu)`` of :mod:`linattn.state`, of size ``m x (d_v + 1)``
   whatever the chunk length; the states meet in a task graph built from the
-  associative :func:`linattn.state.combine` -- a tree reduction (bidirectional) or
+  associative :func:`linattn.combine` -- a tree reduction (bidirectional) or
   an exclusive scan (causal) -- and every chunk then computes its outputs from the
   state of everything before it (causal) or of all keys (bidirectional).
 
@@ -144,7 +144,7 @@ def sequence_parallel_attention(
     scan over the chunk states (a running combine) gives each chunk the state of all
     tokens before it, from which it computes its outputs with
     ``linear_attention(..., state=...)``.
-    Both use the stabilised, associative :func:`linattn.state.combine`, so the
+    Both use the stabilised, associative :func:`linattn.combine`, so the
     result equals the in-memory computation up to rounding.
 
     Parameters

@@ -2,7 +2,7 @@
 
 Every map works in **log-features** ``l(x) = log phi(x)``: the attention code takes
 log-features and does all stabilisation there (``docs/algorithm.md``, sections
-"Feature maps" and "Stabilisation in log space").  What differs between kinds lives in
+2, 3 and 5).  What differs between kinds lives in
 :mod:`linattn._kinds`, one object per kind.
 """
 
@@ -95,7 +95,7 @@ class FeatureMap:
     orthogonal : bool, default True
         Draw the projection as stacked Haar-orthogonal blocks (ORF) instead of iid.
     norms : {"chi", "fixed"}, default "chi"
-        Row lengths of the projection, see :func:`linattn.projections.gaussian_projection`.
+        Row lengths of the projection, see :func:`linattn.gaussian_projection`.
     scale : float, optional
         Softmax scale ``s`` in ``exp(s * q^T k)``; default ``1 / sqrt(head_dim)``.
     seed : int, default 0
@@ -104,6 +104,14 @@ class FeatureMap:
         SADERF rebalancing for the softmax kinds: queries become ``Psi x`` and keys
         ``Psi^-1 y`` with a diagonal ``Psi`` from query/key statistics, which keeps every
         ``x^T y`` and lowers the variance when per-coordinate scales differ.
+
+    Attributes
+    ----------
+    oprf_a : float or None
+        OPRF's ``A`` once calibrated or given (kinds ``"oprf"``, ``"hyperbolic_oprf"``),
+        else None.
+    seed : int or None
+        The projection's seed; None for a map made by :meth:`from_projection`.
 
     Notes
     -----
@@ -263,7 +271,7 @@ class FeatureMap:
         return _restore, (self._fields(),)
 
     @property
-    def spec(self) -> FeatureKind:
+    def _spec(self) -> FeatureKind:
         """The :class:`linattn._kinds.FeatureKind` that computes this map's features."""
         return KIND_SPECS[self.kind]
 
@@ -360,7 +368,7 @@ class FeatureMap:
     @property
     def needs_calibration(self) -> bool:
         """True while an OPRF ``A`` or rebalancing scales are still to be computed."""
-        return (self.spec.oprf and self.oprf_a is None) or (
+        return (self._spec.oprf and self.oprf_a is None) or (
             self.rebalance and self._rebalance_scales is None
         )
 
@@ -428,7 +436,7 @@ class FeatureMap:
                 stats.query_energy * psi**2,
                 stats.key_energy / psi**2,
             )
-        if self.spec.oprf:
+        if self._spec.oprf:
             changes["oprf_a"] = oprf_optimal_a(stats.rho)
             if changes["oprf_a"] < MIN_OPRF_A:
                 raise ValueError(
@@ -479,7 +487,7 @@ class FeatureMap:
     @property
     def is_positive(self) -> bool:
         """True when every feature is positive (all kinds but ``"trigonometric"``)."""
-        return self.spec.positive
+        return self._spec.positive
 
     # -- features -------------------------------------------------------------------
 
@@ -542,14 +550,14 @@ class FeatureMap:
         ((2, 8), True)
         """
         xp, x = self._check_input(x, role)
-        if not self.spec.random:
-            return self.spec.log_features(xp, self, x, None, None)
+        if not self._spec.random:
+            return self._spec.log_features(xp, self, x, None, None)
         x, overflow = self._without_overflow(xp, x, role)
         x = x * self._input_factor(xp, x, role)
         proj = xp.matmul(x, xp.matrix_transpose(self._projection_like(xp, x)))
         half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        log_phi, sign = self.spec.log_features(xp, self, x, proj, half_norm)
-        return xp.where(overflow, constant(xp, self.spec.overflow, log_phi), log_phi), sign
+        log_phi, sign = self._spec.log_features(xp, self, x, proj, half_norm)
+        return xp.where(overflow, constant(xp, self._spec.overflow, log_phi), log_phi), sign
 
     def log_features_vjp(self, x: Array, d_log: Array, /, *, role: Role | None = None) -> Array:
         """``dx`` from the cotangent ``d_log`` of :meth:`signed_log_features` (magnitudes).
@@ -570,14 +578,14 @@ class FeatureMap:
         """
         xp, x = self._check_input(x, role)
         x = xp.astype(x, d_log.dtype, copy=False)
-        if not self.spec.random:
-            return self.spec.vjp(xp, self, x, None, d_log)[0]
+        if not self._spec.random:
+            return self._spec.vjp(xp, self, x, None, d_log)[0]
         x, overflow = self._without_overflow(xp, x, role)
         factor = self._input_factor(xp, x, role)
         x = x * factor
         projection = self._projection_like(xp, x)
         proj = xp.matmul(x, xp.matrix_transpose(projection))
-        d_proj, d_half_norm = self.spec.vjp(xp, self, x, proj, d_log)
+        d_proj, d_half_norm = self._spec.vjp(xp, self, x, proj, d_log)
         dx = factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
         return xp.where(overflow, constant(xp, 0.0, dx), dx)  # constant features there
 

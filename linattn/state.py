@@ -3,7 +3,7 @@
 ``S`` holds ``sum_j exp(l(k_j) - mu) [v_j | 1]^T`` per feature and ``mu`` the running
 per-feature maximum of the key log-features, so the unstabilised sum is
 ``diag(exp(mu)) S``.  Every entry of ``exp(l(k_j) - mu)`` is at most 1 and, once a
-feature has seen a key, its normaliser column is at least 1 (``MATH.md`` section 4).
+feature has seen a key, its normaliser column is at least 1 (``docs/algorithm.md``, section 7).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ output.  Causal attention runs the compiled backward kernel where one serves the
 arrays (NumPy, positive features) and otherwise the chunked backward below, written
 in the array API with the same strategy as the kernel: states are recomputed
 forward from ``sqrt(N)`` chunk checkpoints (never rebuilt by subtraction,
-``MATH.md`` section 5) and ``dS`` runs as a reverse scan.  Bidirectional attention
+``docs/algorithm.md``, section 13) and ``dS`` runs as a reverse scan.  Bidirectional attention
 uses closed-form products.
 
 Every stabiliser (per-feature maxima, per-row and per-key shifts) is held constant:

@@ -28,7 +28,7 @@ def cpu_status() -> str:
     try:
         from linattn_numba import cpu
     except ImportError as error:
-        return f"unavailable: {error}"
+        return f"unavailable: {error}; install linattn[numba]"
     return cpu.status()
 
 
@@ -37,7 +37,7 @@ def cuda_status() -> str:
     try:
         from linattn_numba import _cuda
     except ImportError as error:
-        return f"unavailable: {error}"
+        return f"unavailable: {error}; install linattn[cuda]"
     return _cuda.status()
 
 

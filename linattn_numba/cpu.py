@@ -28,7 +28,7 @@ The backward pass treats every stabiliser (``mu``, ``F``, ``G``, ``R``) as a
 constant.  This is exact for the normalised outputs ``O[:, :d_v] / O[:, d_v]`` (and
 for any function of the state that is invariant to the shift, like later normalised
 outputs), because numerator and denominator share every shift.  Chunk states are
-recomputed forward, never rebuilt by subtraction (``MATH.md`` section 5): all of a
+recomputed forward, never rebuilt by subtraction (``docs/algorithm.md``, section 13): all of a
 head's chunk states are kept when they fit in :data:`STORE_BYTES`, else ``sqrt(N)``
 checkpoints are, and each segment is recomputed from its checkpoint.  Key features
 are recomputed per chunk (mostly from ``psi``, see :func:`_key_features`), not

@@ -1,6 +1,6 @@
 """The accuracy study behind ``linattn accuracy`` and ``demo``: plain functions, no I/O.
 
-The seed's experiment done right (``MATH.md`` section 7): fixed data
+The seed's experiment done right (``docs/algorithm.md``, section 15): fixed data
 ``Q, K ~ scale * N(0, 1)``, ``V ~ N(0, 1)``, one exact reference in NumPy float64,
 and the error of each estimator averaged over independent projection draws.
 """
