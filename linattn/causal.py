@@ -21,14 +21,17 @@ on earlier chunks only.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
 
 from linattn._xp import Array, Namespace, constant, from_host, safe_shift
-from linattn.state import absorb_keys
+from linattn.scan import exclusive, inclusive_scan
+from linattn.state import absorb_keys, combine, empty_state
 
 __all__ = [
+    "ChunkBlocks",
     "ChunkShifts",
     "bidirectional",
     "causal",
@@ -84,45 +87,99 @@ def causal(
 ) -> tuple[Array, Array, Array]:
     """Chunked causal linear attention continuing from state ``(kv, log_shift)``.
 
+    One batched pass, no loop over the sequence: every chunk's own state at once, a
+    scan of those states (:func:`linattn.scan.inclusive_scan`, O(log N) steps), then
+    every chunk's outputs at once.
+
     Returns
     -------
     (outputs_aug, kv, log_shift)
         Unnormalised outputs ``(..., L, d_v + 1)`` and the state after the last token.
     """
-    length = log_phi_q.shape[-2]
-    chunk_size = min(chunk_size, max(length, 1))  # no chunk-sized mask beyond L
-    device = _device(log_phi_q)
-    lower = from_host(
-        xp, np.tril(np.ones((chunk_size, chunk_size), dtype=bool)), dtype=xp.bool, device=device
-    )
-    pieces = []
-    for start in range(0, length, chunk_size):
-        stop = min(start + chunk_size, length)
-        size = stop - start
-        chunk = slice(start, stop)
-        pieces.append(
-            _chunk_outputs(
-                xp,
-                kv,
-                log_shift,
-                log_phi_q[..., chunk, :],
-                None if sign_q is None else sign_q[..., chunk, :],
-                log_phi_k[..., chunk, :],
-                None if sign_k is None else sign_k[..., chunk, :],
-                values_aug[..., chunk, :],
-                lower if size == chunk_size else lower[:size, :size],
-            )
+    blocks = ChunkBlocks.of(xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, chunk_size)
+    prefix, (kv_end, shift_end) = blocks.prefix_states(xp, kv, log_shift)
+    outputs = _chunk_outputs(xp, *prefix, *blocks.operands, blocks.lower)
+    return blocks.tokens(xp, outputs), kv_end, shift_end
+
+
+class ChunkBlocks(NamedTuple):
+    """Operands regrouped as ``(..., N, C, .)`` blocks of ``C`` tokens (the last padded).
+
+    ``C = min(max(chunk_size, d_v + 1), L)``, so the ``N`` chunk states never outgrow
+    one ``L x m`` array; padded keys have log-feature ``-inf`` (they contribute nothing)
+    and padded queries too (their outputs, zeros, are dropped).
+    """
+
+    operands: tuple[Array, Array | None, Array, Array | None, Array]
+    lower: Array  # (C, C), j <= t
+    length: int
+
+    @classmethod
+    def of(
+        cls,
+        xp: Namespace,
+        log_phi_q: Array,
+        sign_q: Array | None,
+        log_phi_k: Array,
+        sign_k: Array | None,
+        values_aug: Array,
+        chunk_size: int,
+    ) -> ChunkBlocks:
+        length = log_phi_q.shape[-2]
+        size = max(1, min(max(chunk_size, values_aug.shape[-1]), length))
+        count = -(-length // size)
+        pad = count * size - length
+
+        def blocks(x: Array | None, fill: float) -> Array | None:
+            if x is None:
+                return None
+            if pad:
+                tail = xp.full(
+                    (*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=_device(x)
+                )
+                x = xp.concat([x, tail], axis=-2)
+            return xp.reshape(x, (*x.shape[:-2], count, size, x.shape[-1]))
+
+        operands = (
+            blocks(log_phi_q, -math.inf),
+            blocks(sign_q, 1.0),
+            blocks(log_phi_k, -math.inf),
+            blocks(sign_k, 1.0),
+            blocks(values_aug, 0.0),
         )
-        kv, log_shift = absorb_keys(
+        lower = from_host(
             xp,
-            kv,
-            log_shift,
-            log_phi_k[..., chunk, :],
-            None if sign_k is None else sign_k[..., chunk, :],
-            values_aug[..., chunk, :],
+            np.tril(np.ones((size, size), dtype=bool)),
+            dtype=xp.bool,
+            device=_device(log_phi_q),
         )
-    outputs = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
-    return outputs, kv, log_shift
+        return cls(operands, lower, length)
+
+    def prefix_states(
+        self, xp: Namespace, kv: Array, log_shift: Array
+    ) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+        """The state before every chunk (``(..., N, m, w)``, ``(..., N, m)``) and after all.
+
+        ``(kv, log_shift)`` is the state before the first chunk.
+        """
+        _, _, log_phi_k, sign_k, values_aug = self.operands
+        batch, m = (*log_phi_k.shape[:-2],), log_phi_k.shape[-1]
+        local = absorb_keys(
+            xp,
+            *empty_state(xp, batch, m, values_aug.shape[-1] - 1, log_phi_k),
+            log_phi_k,
+            sign_k,
+            values_aug,
+        )
+        through = inclusive_scan(xp, *local)  # chunks 0..n
+        end = combine(xp, (kv, log_shift), (through[0][..., -1, :, :], through[1][..., -1, :]))
+        start = (kv[..., None, :, :], log_shift[..., None, :])
+        return combine(xp, start, exclusive(xp, *through)), end
+
+    def tokens(self, xp: Namespace, x: Array) -> Array:
+        """Blocks ``(..., N, C, .)`` back to tokens ``(..., L, .)``, padding dropped."""
+        x = xp.reshape(x, (*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1]))
+        return x if x.shape[-2] == self.length else x[..., : self.length, :]
 
 
 class ChunkShifts(NamedTuple):

@@ -61,7 +61,7 @@ def test_low_variance_estimators_are_unbiased(kind: str, rebalance: bool) -> Non
 
 
 def test_unbiased_test_has_power() -> None:
-    """Plain QR without the sign fix (docs/algorithm.md, section 4) is biased, and the test sees it."""
+    """Plain QR without the sign fix (docs/algorithm.md, section 4) is biased; the test sees it."""
     d = 16
 
     def unfixed_qr(seed: int) -> la.FeatureMap:
@@ -74,7 +74,7 @@ def test_unbiased_test_has_power() -> None:
 
 
 def _seed_experiment(m: int, draws: int, **map_options) -> np.ndarray:
-    """Attention MSE of the handbook's experiment (docs/algorithm.md, section 15) for ``draws`` projections."""
+    """Attention MSE of the handbook's experiment (docs/algorithm.md, section 15)."""
     rng = np.random.default_rng(42)
     n, d = 64, 32
     q, k = 0.3 * rng.normal(size=(n, d)), 0.3 * rng.normal(size=(n, d))

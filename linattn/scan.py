@@ -1,0 +1,102 @@
+"""Scans of chunk states with the associative :func:`linattn.combine`, in O(log N) steps.
+
+Causal attention computes every chunk's own state ``(S_n, mu_n)`` at once and then
+needs, for each chunk, the combination of all states before it.  That is a prefix
+scan with an associative operator, which needs no loop over the sequence:
+
+* JAX: :func:`jax.lax.associative_scan` (the framework's own, fused under ``jit``);
+* every other namespace: a Hillis-Steele scan written in the array API, ``ceil(log2 N)``
+  steps of one shifted :func:`~linattn.combine` each.
+
+Either way the prefix of chunk ``n`` combines the states of chunks ``<= n`` only, in an
+order fixed by ``n`` alone: later tokens cannot change it, bit for bit
+(``docs/algorithm.md``, section 9).
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from linattn._xp import Array, Namespace
+from linattn.state import combine
+
+__all__ = ["exclusive", "inclusive_scan"]
+
+
+def inclusive_scan(
+    xp: Namespace, kv: Array, log_shift: Array, *, reverse: bool = False
+) -> tuple[Array, Array]:
+    """``(S, mu)`` of chunks ``0..n`` (or ``n..N-1`` with ``reverse``) for every ``n``.
+
+    Parameters
+    ----------
+    kv : array, shape ``(..., N, m, w)``
+    log_shift : array, shape ``(..., N, m)``
+        The chunk states, chunk axis third (``kv``) and second (``log_shift``) from last.
+    reverse : bool, default False
+        Scan from the last chunk backwards (suffix combinations).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> kv = np.ones((3, 1, 1)); mu = np.zeros((3, 1))
+    >>> s, m = inclusive_scan(np, kv, mu)
+    >>> (np.exp(m)[..., None] * s).ravel()  # 1, 1 + 1, 1 + 1 + 1
+    array([1., 2., 3.])
+    """
+    if array_api_compat.is_jax_namespace(xp):
+        return _jax_scan(xp, kv, log_shift, reverse)
+    n = kv.shape[-3]
+    if reverse:
+        kv, log_shift = xp.flip(kv, axis=-3), xp.flip(log_shift, axis=-2)
+    offset = 1
+    while offset < n:
+        # Step s: chunk n absorbs the combination ending at n - 2^s (identity before 0).
+        earlier = (
+            _shifted(xp, kv, offset, axis=-3, fill=0.0),
+            _shifted(xp, log_shift, offset, axis=-2, fill=-math.inf),
+        )
+        kv, log_shift = combine(xp, earlier, (kv, log_shift))
+        offset *= 2
+    if reverse:
+        kv, log_shift = xp.flip(kv, axis=-3), xp.flip(log_shift, axis=-2)
+    return kv, log_shift
+
+
+def exclusive(xp: Namespace, kv: Array, log_shift: Array) -> tuple[Array, Array]:
+    """Shift an inclusive scan by one chunk: the combination of chunks ``< n``."""
+    return (
+        _shifted(xp, kv, 1, axis=-3, fill=0.0),
+        _shifted(xp, log_shift, 1, axis=-2, fill=-math.inf),
+    )
+
+
+def _shifted(xp: Namespace, x: Array, offset: int, *, axis: int, fill: float) -> Array:
+    """``x`` moved ``offset`` places along ``axis``, the first places filled with ``fill``."""
+    n = x.shape[axis]
+    head_shape = list(x.shape)
+    head_shape[axis] = min(offset, n)
+    head = xp.full(tuple(head_shape), fill, dtype=x.dtype, device=array_api_compat.device(x))
+    if offset >= n:
+        return head
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(0, n - offset)
+    return xp.concat([head, x[tuple(index)]], axis=axis)
+
+
+def _jax_scan(xp: Namespace, kv: Array, log_shift: Array, reverse: bool) -> tuple[Array, Array]:
+    import jax
+
+    # associative_scan scans one axis index of every leaf: put the chunk axis first.
+    kv_first = xp.moveaxis(kv, -3, 0)
+    shift_first = xp.moveaxis(log_shift, -2, 0)
+
+    def operator(first: tuple[Array, Array], second: tuple[Array, Array]) -> tuple[Array, Array]:
+        return combine(xp, first, second)
+
+    kv_first, shift_first = jax.lax.associative_scan(
+        operator, (kv_first, shift_first), reverse=reverse, axis=0
+    )
+    return xp.moveaxis(kv_first, 0, -3), xp.moveaxis(shift_first, 0, -2)
