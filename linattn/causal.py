@@ -128,17 +128,9 @@ class ChunkBlocks(NamedTuple):
         length = log_phi_q.shape[-2]
         size = max(1, min(max(chunk_size, values_aug.shape[-1]), length))
         count = -(-length // size)
-        pad = count * size - length
 
         def blocks(x: Array | None, fill: float) -> Array | None:
-            if x is None:
-                return None
-            if pad:
-                tail = xp.full(
-                    (*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=_device(x)
-                )
-                x = xp.concat([x, tail], axis=-2)
-            return xp.reshape(x, (*x.shape[:-2], count, size, x.shape[-1]))
+            return None if x is None else _blocked(xp, x, count, size, fill)
 
         operands = (
             blocks(log_phi_q, -math.inf),
@@ -176,10 +168,22 @@ class ChunkBlocks(NamedTuple):
         start = (kv[..., None, :, :], log_shift[..., None, :])
         return combine(xp, start, exclusive(xp, *through)), end
 
+    def blocked(self, xp: Namespace, x: Array, fill: float) -> Array:
+        """Tokens ``(..., L, .)`` as blocks like the operands, padding filled with ``fill``."""
+        return _blocked(xp, x, self.operands[0].shape[-3], self.lower.shape[0], fill)
+
     def tokens(self, xp: Namespace, x: Array) -> Array:
         """Blocks ``(..., N, C, .)`` back to tokens ``(..., L, .)``, padding dropped."""
         x = xp.reshape(x, (*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1]))
         return x if x.shape[-2] == self.length else x[..., : self.length, :]
+
+
+def _blocked(xp: Namespace, x: Array, count: int, size: int, fill: float) -> Array:
+    pad = count * size - x.shape[-2]
+    if pad:
+        tail = xp.full((*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=_device(x))
+        x = xp.concat([x, tail], axis=-2)
+    return xp.reshape(x, (*x.shape[:-2], count, size, x.shape[-1]))
 
 
 class ChunkShifts(NamedTuple):

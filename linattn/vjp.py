@@ -15,18 +15,15 @@ exact.
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
 from linattn import _dispatch
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
-from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype, from_host
+from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype
 from linattn._xp import safe_shift as _safe
 from linattn.attention import attend, attention_operands, drop_masked_keys
-from linattn.causal import chunk_shifts, pair_products, query_factors
+from linattn.causal import ChunkBlocks, chunk_shifts, pair_products, query_factors
 from linattn.features import FeatureMap
+from linattn.scan import inclusive_scan
 from linattn.state import absorb_keys, empty_state
 
 __all__ = ["linear_attention_vjp"]
@@ -216,98 +213,46 @@ def causal_vjp(
     """Backward of ``linattn.causal.causal`` from an empty state, in the array API.
 
     Returns ``(d_log_phi_q, d_log_phi_k, d_values_aug)``; the stabilisers are held
-    constant.  States are recomputed forward from ``sqrt(N)`` checkpoints, so memory
-    is ``O(sqrt(N) m d_v)`` beyond inputs and outputs.
+    constant.  One batched pass like the forward: the state before every chunk from the
+    forward scan, then the cotangent of every chunk state from a reverse scan, then
+    every chunk's gradients at once (``docs/algorithm.md``, section 13).  States are
+    never rebuilt by subtraction.
     """
-    batch = tuple(log_phi_q.shape[:-2])
-    length, m = log_phi_q.shape[-2:]
-    width = values_aug.shape[-1]
-    chunk_size = min(chunk_size, max(length, 1))  # no chunk-sized mask beyond L
-    starts = list(range(0, length, chunk_size))
-    per_segment = max(1, math.isqrt(len(starts) - 1) + 1)
-    lower = from_host(
-        xp,
-        np.tril(np.ones((chunk_size, chunk_size), dtype=bool)),
-        dtype=xp.bool,
-        device=_device(log_phi_q),
-    )
-
-    def rows(x: Array | None, start: int) -> Array | None:
-        return None if x is None else x[..., start : min(start + chunk_size, length), :]
-
-    def absorb(state: tuple[Array, Array], start: int) -> tuple[Array, Array]:
-        return absorb_keys(
-            xp, *state, rows(log_phi_k, start), rows(sign_k, start), rows(values_aug, start)
-        )
-
-    state = empty_state(xp, batch, m, width - 1, log_phi_q)
-    checkpoints = []
-    for n, start in enumerate(starts):
-        if n % per_segment == 0:
-            checkpoints.append(state)
-        state = absorb(state, start)
-    d_state = xp.zeros_like(state[0])
-    grads: list[tuple[Array, Array, Array]] = []
-    for s in range(len(checkpoints) - 1, -1, -1):
-        segment = starts[s * per_segment : (s + 1) * per_segment]
-        states = [checkpoints[s]]
-        for start in segment:
-            states.append(absorb(states[-1], start))
-        for i in range(len(segment) - 1, -1, -1):
-            start = segment[i]
-            size = min(start + chunk_size, length) - start
-            chunk_grads, d_state = _chunk_vjp(
-                xp,
-                states[i],
-                states[i + 1][1],
-                rows(log_phi_q, start),
-                rows(sign_q, start),
-                rows(log_phi_k, start),
-                rows(sign_k, start),
-                rows(values_aug, start),
-                rows(d_outputs_aug, start),
-                d_state,
-                lower if size == chunk_size else lower[:size, :size],
-            )
-            grads.append(chunk_grads)
-    grads.reverse()
-    return tuple(
-        parts[0] if len(parts) == 1 else xp.concat(list(parts), axis=-2)
-        for parts in zip(*grads, strict=True)
-    )
-
-
-def _chunk_vjp(
-    xp: Namespace,
-    state: tuple[Array, Array],
-    next_log_shift: Array,
-    log_phi_q: Array,
-    sign_q: Array | None,
-    log_phi_k: Array,
-    sign_k: Array | None,
-    values_aug: Array,
-    d_out: Array,
-    d_state: Array,
-    lower: Array,
-) -> tuple[tuple[Array, Array, Array], Array]:
-    """Backward of one chunk of ``causal._chunk_outputs`` and of the state update after it."""
-    kv, log_shift = state
-    shifts = chunk_shifts(xp, log_shift, log_phi_q, sign_q, log_phi_k, sign_k, lower)
-    u, psi, state_weight = shifts.u, shifts.psi, shifts.state_weight
-    # The state update's features and decay (linattn.state.absorb_keys).
-    next_mu = _safe(xp, next_log_shift)
-    phi = xp.exp(log_phi_k - next_mu[..., None, :])
-    if sign_k is not None:
-        phi = sign_k * phi
-    decay = xp.exp(log_shift - next_mu)  # 0 where mu = -inf (no overflow to discard)
+    blocks = ChunkBlocks.of(xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, chunk_size)
+    batch, m = tuple(log_phi_q.shape[:-2]), log_phi_q.shape[-1]
+    start = empty_state(xp, batch, m, values_aug.shape[-1] - 1, log_phi_q)
+    (kv, log_shift), end = blocks.prefix_states(xp, *start)
+    lq, sq, lk, sk, va = blocks.operands
+    d_out = blocks.blocked(xp, d_outputs_aug, 0.0)
+    shifts = chunk_shifts(xp, log_shift, lq, sq, lk, sk, blocks.lower)
     t = xp.matrix_transpose
-    intra = pair_products(xp, shifts, u, psi)
-    paired = pair_products(xp, shifts, d_out, values_aug)
-    d_lq = u * (state_weight * xp.matmul(d_out, t(kv)) + xp.matmul(paired, psi))
-    d_lk = psi * xp.matmul(t(paired), u) + phi * xp.matmul(values_aug, t(d_state))
-    d_va = xp.matmul(t(intra), d_out) + xp.matmul(phi, d_state)
-    d_state = decay[..., None] * d_state + xp.matmul(t(u), state_weight * d_out)
-    return (d_lq, d_lk, d_va), d_state
+    # Cotangent of the state *before* chunk n: its own use plus the decayed cotangent of
+    # the next state, G_n = c_n + exp(mu_n - mu_n+1) G_n+1.  The decays telescope to
+    # exp(mu_n - mu_k): a reverse scan of (c_k, -mu_k) whose shift is exactly -mu_n.
+    direct = xp.matmul(t(shifts.u), shifts.state_weight * d_out)
+    seen = xp.isfinite(log_shift)
+    suffix, _ = inclusive_scan(xp, direct, -_safe(xp, log_shift), reverse=True)
+    d_before = xp.where(seen[..., None], suffix, constant(xp, 0.0, suffix))
+    # Features a chunk's keys did not reach multiply it by exact zeros (phi below).
+    d_after = _next_chunk(xp, d_before, xp.zeros_like(d_before[..., :1, :, :]), axis=-3)
+    next_shift = _next_chunk(xp, log_shift, end[1][..., None, :], axis=-2)
+    phi = xp.exp(lk - _safe(xp, next_shift)[..., None, :])  # the state update's features
+    if sk is not None:
+        phi = sk * phi
+    intra = pair_products(xp, shifts, shifts.u, shifts.psi)
+    paired = pair_products(xp, shifts, d_out, va)
+    u, psi = shifts.u, shifts.psi
+    d_lq = u * (shifts.state_weight * xp.matmul(d_out, t(kv)) + xp.matmul(paired, psi))
+    d_lk = psi * xp.matmul(t(paired), u) + phi * xp.matmul(va, t(d_after))
+    d_va = xp.matmul(t(intra), d_out) + xp.matmul(phi, d_after)
+    return blocks.tokens(xp, d_lq), blocks.tokens(xp, d_lk), blocks.tokens(xp, d_va)
+
+
+def _next_chunk(xp: Namespace, x: Array, last: Array, *, axis: int) -> Array:
+    """``x`` of chunk ``n + 1`` at position ``n``; ``last`` after the final chunk."""
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(1, None)
+    return xp.concat([x[tuple(index)], last], axis=axis)
 
 
 def _sum_to(xp: Namespace, grad: Array, shape: tuple[int, ...], dtype: object) -> Array:
