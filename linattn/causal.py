@@ -105,8 +105,10 @@ def causal(
 class ChunkBlocks(NamedTuple):
     """Operands regrouped as ``(..., N, C, .)`` blocks of ``C`` tokens (the last padded).
 
-    ``C = min(max(chunk_size, d_v + 1), L)``, so the ``N`` chunk states never outgrow
-    one ``L x m`` array; padded keys have log-feature ``-inf`` (they contribute nothing)
+    ``C`` is the smallest multiple of ``chunk_size`` holding ``d_v + 1`` tokens (at most
+    ``L``), so the ``N`` chunk states, ``N m (d_v + 1)`` numbers, never outgrow one
+    ``L x m`` array, and powers of two stay unpadded.  Results depend on ``C`` only
+    through rounding.  Padded keys have log-feature ``-inf`` (they contribute nothing)
     and padded queries too (their outputs, zeros, are dropped).
     """
 
@@ -126,7 +128,8 @@ class ChunkBlocks(NamedTuple):
         chunk_size: int,
     ) -> ChunkBlocks:
         length = log_phi_q.shape[-2]
-        size = max(1, min(max(chunk_size, values_aug.shape[-1]), length))
+        width = values_aug.shape[-1]
+        size = max(1, min(chunk_size * -(-width // chunk_size), length))
         count = -(-length // size)
 
         def blocks(x: Array | None, fill: float) -> Array | None:
