@@ -84,12 +84,16 @@ def causal(
     kv: Array,
     log_shift: Array,
     chunk_size: int,
+    chunks_per_pass: int | None = None,
 ) -> tuple[Array, Array, Array]:
     """Chunked causal linear attention continuing from state ``(kv, log_shift)``.
 
     One batched pass, no loop over the sequence: every chunk's own state at once, a
     scan of those states (:func:`linattn.scan.inclusive_scan`, O(log N) steps), then
-    every chunk's outputs at once.
+    every chunk's outputs at once.  ``chunks_per_pass`` (the plan's choice for eager
+    CPU arrays, :mod:`linattn._dispatch`) splits that pass into groups of chunks carried
+    one to the next, so that each group's temporaries stay in cache; ``None`` is one
+    pass, as tracing frameworks and GPUs want.
 
     Returns
     -------
@@ -97,9 +101,15 @@ def causal(
         Unnormalised outputs ``(..., L, d_v + 1)`` and the state after the last token.
     """
     blocks = ChunkBlocks.of(xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, chunk_size)
-    prefix, (kv_end, shift_end) = blocks.prefix_states(xp, kv, log_shift)
-    outputs = _chunk_outputs(xp, *prefix, *blocks.operands, blocks.lower)
-    return blocks.tokens(xp, outputs), kv_end, shift_end
+    count = blocks.operands[0].shape[-3]
+    step = count if chunks_per_pass is None else max(1, chunks_per_pass)
+    pieces = []
+    for first in range(0, count, step):
+        group = blocks if step >= count else blocks.select(first, first + step)
+        prefix, (kv, log_shift) = group.prefix_states(xp, kv, log_shift)
+        pieces.append(_chunk_outputs(xp, *prefix, *group.operands, group.lower))
+    outputs = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
+    return blocks.tokens(xp, outputs), kv, log_shift
 
 
 class ChunkBlocks(NamedTuple):
@@ -170,6 +180,17 @@ class ChunkBlocks(NamedTuple):
         end = combine(xp, (kv, log_shift), (through[0][..., -1, :, :], through[1][..., -1, :]))
         start = (kv[..., None, :, :], log_shift[..., None, :])
         return combine(xp, start, exclusive(xp, *through)), end
+
+    def select(self, first: int, stop: int) -> ChunkBlocks:
+        """Chunks ``first .. stop - 1`` (a pass over a group of chunks)."""
+
+        def part(x: Array | None) -> Array | None:
+            return None if x is None else x[..., first:stop, :, :]
+
+        q, sq, k, sk, va = self.operands
+        return ChunkBlocks(
+            (part(q), part(sq), part(k), part(sk), part(va)), self.lower, self.length
+        )
 
     def blocked(self, xp: Namespace, x: Array, fill: float) -> Array:
         """Tokens ``(..., L, .)`` as blocks like the operands, padding filled with ``fill``."""
