@@ -53,6 +53,9 @@ from linattn.state import LinearAttentionState, absorb_keys, combine, empty_stat
 
 __all__ = ["batch_parallel_attention", "dask_linear_attention", "sequence_parallel_attention"]
 
+#: Causal: how many sequence chunks the key side may run ahead of the outputs.
+DEFAULT_LOOKAHEAD = 8
+
 
 def batch_parallel_attention(
     q: Array,
@@ -138,7 +141,7 @@ def sequence_parallel_attention(
     causal: bool = False,
     key_mask: Array | None = None,
     sequence_chunks: int | None = None,
-    lookahead: int = 8,
+    lookahead: int = DEFAULT_LOOKAHEAD,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: str | None = None,
 ) -> Array:
@@ -193,7 +196,7 @@ def sequence_parallel_attention(
     _check_positive("lookahead", lookahead)
     inputs = _prepare(q, k, v, key_mask, feature_map, causal, chunk_size, backend, sequence_chunks)
     if causal:
-        options = {"chunk_size": chunk_size, "backend": backend}
+        options: dict[str, Any] = {"chunk_size": chunk_size, "backend": backend}
         return _causal_pipeline(inputs, int(lookahead), **options)[0]
     return _bidirectional_graph(inputs)
 
@@ -264,11 +267,12 @@ def dask_linear_attention(
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
         )
+    extra = {}
     if state is not None:
         _state_arrays(state)  # a TypeError unless it is a LinearAttentionState
         # A NumPy state (e.g. from an in-memory prefill) joins the graph as one chunk.
         state = replace(state, kv=_as_dask(state.kv), log_shift=_as_dask(state.log_shift))
-    extra = {} if state is None else _state_arrays(state)
+        extra = _state_arrays(state)
     info = check_attention_inputs(
         q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
     )
@@ -289,11 +293,13 @@ def dask_linear_attention(
         feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
     # Computed in the state's dtype, like linear_attention; the outputs are cast back.
     inputs = _layout(q, k, v, key_mask, info, feature_map, causal=causal, dtype=work)
-    options = {"chunk_size": chunk_size, "backend": backend}
+    options: dict[str, Any] = {"chunk_size": chunk_size, "backend": backend}
     if not causal:
         return _bidirectional_graph(inputs).astype(info.dtype)
     initial = None if state is None else _packed_state(inputs, state)
-    out, final = _causal_pipeline(inputs, 8, initial=initial, return_state=return_state, **options)
+    out, final = _causal_pipeline(
+        inputs, DEFAULT_LOOKAHEAD, initial=initial, return_state=return_state, **options
+    )
     out = out.astype(info.dtype)
     if not return_state:
         return out
@@ -423,16 +429,16 @@ def _causal_pipeline(
                 keys.append((mask.name, *b, j))
             wait = [(done_name, *b, j - lookahead)] if j >= lookahead else []
             graph[(state_name, *b, j)] = (_state_task, spec, masked, *keys, *wait)
-            out = (outputs_name, *b, j, 0)
-            graph[out] = (_outputs_task, spec, options, (q.name, *b, j, 0), *keys, incoming(j))
-            graph[(done_name, *b, j)] = (_done, out)
+            block = (outputs_name, *b, j, 0)
+            graph[block] = (_outputs_task, spec, options, (q.name, *b, j, 0), *keys, incoming(j))
+            graph[(done_name, *b, j)] = (_done, block)
         for j in range(1, n + 1 if return_state else n):
             if incoming(j)[0] == incoming_name:
                 graph[incoming(j)] = (_combine_packed, incoming(j - 1), (state_name, *b, j - 1))
         if return_state:
             final[(final_name, *b, 0, 0)] = (_unpack_block, incoming(n))
     dependencies = [x for x in (q, k, v, mask, inputs.spec, initial) if x is not None]
-    out = da.Array(
+    out: Any = da.Array(  # Any: dask's own annotations do not make it a DaskCollection
         HighLevelGraph.from_collections(outputs_name, graph, dependencies=dependencies),
         outputs_name,
         chunks=(*q.chunks[:-1], (inputs.info.value_dim,)),
