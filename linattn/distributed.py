@@ -30,7 +30,7 @@ This module is not imported by :mod:`linattn`; it needs ``dask[array]``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
@@ -40,12 +40,21 @@ import numpy as np
 from linattn import _dispatch
 from linattn._checks import AttentionInputs, check_attention_inputs, check_chunk_size
 from linattn._xp import Array, Namespace, compute_dtype, constant
-from linattn.attention import DEFAULT_CHUNK_SIZE, drop_masked_keys, linear_attention
+from linattn.attention import (
+    DEFAULT_CHUNK_SIZE,
+    _check_state,
+    _state_arrays,
+    drop_masked_keys,
+    linear_attention,
+)
 from linattn.causal import normalise, readout
 from linattn.features import FeatureMap
 from linattn.state import LinearAttentionState, absorb_keys, combine, empty_state
 
-__all__ = ["batch_parallel_attention", "sequence_parallel_attention"]
+__all__ = ["batch_parallel_attention", "dask_linear_attention", "sequence_parallel_attention"]
+
+#: Causal: how many sequence chunks the key side may run ahead of the outputs.
+DEFAULT_LOOKAHEAD = 8
 
 
 def batch_parallel_attention(
@@ -132,7 +141,7 @@ def sequence_parallel_attention(
     causal: bool = False,
     key_mask: Array | None = None,
     sequence_chunks: int | None = None,
-    lookahead: int = 8,
+    lookahead: int = DEFAULT_LOOKAHEAD,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: str | None = None,
 ) -> Array:
@@ -187,7 +196,154 @@ def sequence_parallel_attention(
     _check_positive("lookahead", lookahead)
     inputs = _prepare(q, k, v, key_mask, feature_map, causal, chunk_size, backend, sequence_chunks)
     if causal:
-        return _causal_pipeline(inputs, int(lookahead), chunk_size=chunk_size, backend=backend)
+        options: dict[str, Any] = {"chunk_size": chunk_size, "backend": backend}
+        return _causal_pipeline(inputs, int(lookahead), **options)[0]
+    return _bidirectional_graph(inputs)
+
+
+def dask_linear_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    backend: str | None = None,
+) -> Any:
+    """:func:`linattn.linear_attention` for Dask arrays, as a graph over their sequence chunks.
+
+    What ``linear_attention`` does with Dask inputs: the same arguments, checks and
+    results (up to rounding), but the graph grows with the number of sequence chunks
+    of the inputs, not with ``L / chunk_size``.  Causal attention is the sequence-
+    parallel scan of :func:`sequence_parallel_attention` (chunk states, their running
+    combine, starting from ``state`` if given, and each chunk's outputs from the state
+    before it); bidirectional attention reduces the key chunks' states to one and reads
+    it out in every query chunk.  Inside each chunk, ``linear_attention`` runs on the
+    chunk's own arrays (with the compiled kernel where one serves them).
+
+    Parameters
+    ----------
+    q, k, v : dask arrays
+        As for :func:`linattn.linear_attention` (all three Dask arrays).
+    feature_map, causal, key_mask, return_state, chunk_size, backend
+        As for :func:`linattn.linear_attention`.  ``key_mask`` is a Dask array; an
+        uncalibrated feature map (bidirectional only) is calibrated on ``q`` and ``k``
+        before the graph is built, which computes their statistics.
+    state : LinearAttentionState, optional
+        Continue a causal sequence; its arrays may be NumPy or Dask arrays.
+
+    Returns
+    -------
+    dask array, shape ``(..., L_q, d_v)``, or ``(dask array, LinearAttentionState)``
+        Lazy, in the inputs' (promoted) dtype, chunked like ``q`` along the leading and
+        sequence axes (the value axis in one chunk).  Causal attention gives ``k``,
+        ``v`` and ``key_mask`` the sequence chunks of ``q``; bidirectional attention
+        keeps those of ``k``.  The state's ``kv`` and ``log_shift`` are Dask arrays.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> from linattn.distributed import dask_linear_attention
+    >>> x = np.random.default_rng(0).normal(size=(2, 1000, 8))
+    >>> q = da.from_array(x, chunks=(1, 250, 8))
+    >>> fm = la.FeatureMap(8, 16, seed=0)
+    >>> out, state = dask_linear_attention(q, q, q, fm, causal=True, return_state=True)
+    >>> out.chunks
+    ((1, 1), (250, 250, 250, 250), (8,))
+    >>> expected, last = la.linear_attention(x, x, x, fm, causal=True, return_state=True)
+    >>> bool(np.abs(out.compute() - expected).max() < 1e-12)
+    True
+    >>> bool(np.allclose(state.kv.compute(), last.kv, rtol=1e-12)), state.num_tokens
+    (True, 1000)
+    """
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(
+            f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
+        )
+    extra = {}
+    if state is not None:
+        _state_arrays(state)  # a TypeError unless it is a LinearAttentionState
+        # A NumPy state (e.g. from an in-memory prefill) joins the graph as one chunk.
+        state = replace(state, kv=_as_dask(state.kv), log_shift=_as_dask(state.log_shift))
+        extra = _state_arrays(state)
+    info = check_attention_inputs(
+        q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
+    )
+    check_chunk_size(chunk_size)
+    _dispatch.resolve_backend(backend)
+    _check_state_options(causal, state, return_state)
+    work = compute_dtype(np, np.dtype(info.dtype))
+    if state is not None:
+        info = replace(info, batch_shape=_check_state(state, feature_map, info, work))
+    if feature_map.needs_calibration:
+        if causal:
+            raise ValueError(
+                f"causal attention needs the {feature_map.kind!r} feature map's query/key "
+                "statistics fixed in advance (statistics over the whole sequence would let "
+                "later tokens change earlier outputs): expected a map from "
+                "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
+            )
+        feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
+    # Computed in the state's dtype, like linear_attention; the outputs are cast back.
+    inputs = _layout(q, k, v, key_mask, info, feature_map, causal=causal, dtype=work)
+    options: dict[str, Any] = {"chunk_size": chunk_size, "backend": backend}
+    if not causal:
+        return _bidirectional_graph(inputs).astype(info.dtype)
+    initial = None if state is None else _packed_state(inputs, state)
+    out, final = _causal_pipeline(
+        inputs, DEFAULT_LOOKAHEAD, initial=initial, return_state=return_state, **options
+    )
+    out = out.astype(info.dtype)
+    if not return_state:
+        return out
+    previous = 0 if state is None else state.num_tokens
+    return out, LinearAttentionState(
+        kv=final[..., :-1],
+        log_shift=final[..., -1],
+        feature_map=feature_map.fingerprint,
+        num_tokens=previous + info.key_length,
+    )
+
+
+def _check_state_options(causal: bool, state: object, return_state: object) -> None:
+    """``return_state`` is a bool; ``state`` and ``return_state`` only with ``causal``."""
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be True or False; got {return_state!r}")
+    if not causal and (state is not None or return_state):
+        raise ValueError(
+            "state and return_state need causal=True (bidirectional attention has no "
+            f"running state); got state={'given' if state is not None else None}, "
+            f"return_state={return_state}"
+        )
+
+
+def _as_dask(x: Any) -> Any:
+    import dask.array as da
+
+    return da.from_array(x, chunks=-1) if isinstance(x, np.ndarray) else x
+
+
+def _packed_state(inputs: _Inputs, state: LinearAttentionState) -> Any:
+    """The incoming state as one packed ``[S | mu]`` block per batch block of ``q``."""
+    import dask.array as da
+
+    nb = len(inputs.info.batch_shape)
+    packed = da.concatenate([state.kv, state.log_shift[..., None]], axis=-1)
+    packed = da.broadcast_to(packed, (*inputs.info.batch_shape, *packed.shape[-2:]))
+    return packed[..., None, :, :].rechunk(
+        {**dict(enumerate(inputs.q.chunks[:nb])), nb: -1, nb + 1: -1, nb + 2: -1}
+    )
+
+
+def _bidirectional_graph(inputs: _Inputs) -> Any:
+    """Chunk states of the keys, their tree reduction, and every query chunk's readout."""
     batch = _batch_index(inputs.info)
     key_args = [inputs.k, (*batch, "j", "d"), inputs.v, (*batch, "j", "e")]
     if inputs.key_mask is not None:
@@ -205,27 +361,38 @@ def sequence_parallel_attention(
         (*batch, "m", "f"),
         name="linattn-broadcast-outputs",
         meta_like=inputs.q,
-        dtype=inputs.info.dtype,
+        dtype=inputs.q.dtype,
         new_axes={"e": inputs.info.value_dim},
         align_arrays=False,
         feature_map=inputs.spec,
     )
 
 
-def _causal_pipeline(inputs: _Inputs, lookahead: int, **options: Any) -> Any:
+def _causal_pipeline(
+    inputs: _Inputs,
+    lookahead: int,
+    *,
+    initial: Any = None,
+    return_state: bool = False,
+    **options: Any,
+) -> tuple[Any, Any]:
     """Chunk states, their running combine, and each chunk's outputs from its incoming state.
 
     A task graph of our own, per batch block and sequence chunk ``j``:
 
     * ``chunk-state j``: the packed state of chunk ``j``'s keys;
-    * ``incoming-state j``: the state of chunks ``< j`` -- empty, then the running
-      combine ``incoming(j) = incoming(j - 1) + state(j - 1)``, ``O(m d)`` each;
+    * ``incoming-state j``: the state of chunks ``< j`` -- ``initial`` (or empty), then
+      the running combine ``incoming(j) = incoming(j - 1) + state(j - 1)``,
+      ``O(m d)`` each;
     * ``chunk-outputs j``: ``linear_attention(..., state=incoming(j))`` on chunk ``j``;
     * ``outputs-done j``: a token; ``chunk-state j + lookahead`` waits for it.
 
     The heavy work, ``O(chunk (m + d) d)`` per chunk, runs in parallel.  Without the
     tokens, schedulers finish the cheap key side first and hold every chunk of ``k``
     and ``v`` until its outputs run, so memory would grow with ``L``.
+
+    Returns the outputs and, with ``return_state``, the packed state after the last
+    chunk, ``incoming(n)``, shape ``(..., m, d_v + 2)`` (else ``None``).
     """
     import dask.array as da
     from dask.array.utils import meta_from_array
@@ -234,38 +401,57 @@ def _causal_pipeline(inputs: _Inputs, lookahead: int, **options: Any) -> Any:
 
     q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.key_mask
     nb = len(inputs.info.batch_shape)
+    n = q.numblocks[nb]
     spec = inputs.spec.key
     masked = mask is not None
-    token = tokenize(q, k, v, mask, spec, lookahead, options)
-    state_name, incoming_name, outputs_name, done_name = (
+    token = tokenize(q, k, v, mask, spec, lookahead, initial, return_state, options)
+    state_name, incoming_name, outputs_name, done_name, final_name = (
         f"linattn-{part}-{token}"
-        for part in ("chunk-state", "incoming-state", "chunk-outputs", "outputs-done")
+        for part in ("chunk-state", "incoming-state", "chunk-outputs", "outputs-done", "final")
     )
     graph: dict[Any, Any] = {}
-    for b in product(*(range(n) for n in q.numblocks[:nb])):
-        for j in range(q.numblocks[nb]):
+    final: dict[Any, Any] = {}
+    for b in product(*(range(nblocks) for nblocks in q.numblocks[:nb])):
+
+        def incoming(j: int, b: tuple[int, ...] = b) -> tuple[Any, ...]:
+            """The key holding the state of chunks ``< j``: no task for what exists."""
+            if j == 0 and initial is not None:
+                return (initial.name, *b, 0, 0, 0)
+            if j == 1 and initial is None:
+                return (state_name, *b, 0)  # empty + state(0) is state(0)
+            return (incoming_name, *b, j)
+
+        if initial is None:
+            graph[incoming(0)] = (_empty_packed, (state_name, *b, 0))
+        for j in range(n):
             keys = [(k.name, *b, j, 0), (v.name, *b, j, 0)]
             if masked:
                 keys.append((mask.name, *b, j))
             wait = [(done_name, *b, j - lookahead)] if j >= lookahead else []
-            state = (state_name, *b, j)
-            graph[state] = (_state_task, spec, masked, *keys, *wait)
-            # incoming(0) = empty, incoming(1) = state(0), else incoming(j-1) + state(j-1)
-            incoming = (state_name, *b, 0) if j == 1 else (incoming_name, *b, j)
-            if j == 0:
-                graph[incoming] = (_empty_packed, state)
-            elif j > 1:
-                before = (state_name, *b, 0) if j == 2 else (incoming_name, *b, j - 1)
-                graph[incoming] = (_combine_packed, before, (state_name, *b, j - 1))
-            out = (outputs_name, *b, j, 0)
-            graph[out] = (_outputs_task, spec, options, (q.name, *b, j, 0), *keys, incoming)
-            graph[(done_name, *b, j)] = (_done, out)
-    dependencies = [x for x in (q, k, v, mask, inputs.spec) if x is not None]
-    return da.Array(
+            graph[(state_name, *b, j)] = (_state_task, spec, masked, *keys, *wait)
+            block = (outputs_name, *b, j, 0)
+            graph[block] = (_outputs_task, spec, options, (q.name, *b, j, 0), *keys, incoming(j))
+            graph[(done_name, *b, j)] = (_done, block)
+        for j in range(1, n + 1 if return_state else n):
+            if incoming(j)[0] == incoming_name:
+                graph[incoming(j)] = (_combine_packed, incoming(j - 1), (state_name, *b, j - 1))
+        if return_state:
+            final[(final_name, *b, 0, 0)] = (_unpack_block, incoming(n))
+    dependencies = [x for x in (q, k, v, mask, inputs.spec, initial) if x is not None]
+    out: Any = da.Array(  # Any: dask's own annotations do not make it a DaskCollection
         HighLevelGraph.from_collections(outputs_name, graph, dependencies=dependencies),
         outputs_name,
         chunks=(*q.chunks[:-1], (inputs.info.value_dim,)),
-        meta=meta_from_array(q, ndim=q.ndim, dtype=inputs.info.dtype),
+        meta=meta_from_array(q, ndim=q.ndim, dtype=q.dtype),
+    )
+    if not return_state:
+        return out, None
+    width = inputs.info.value_dim + 2
+    return out, da.Array(
+        HighLevelGraph.from_collections(final_name, final, dependencies=[out]),
+        final_name,
+        chunks=(*q.chunks[:nb], (inputs.num_features,), (width,)),
+        meta=meta_from_array(q, ndim=nb + 2, dtype=q.dtype),
     )
 
 
@@ -318,7 +504,6 @@ def _prepare(
     sequence_chunks: int | None = None,
 ) -> _Inputs:
     """Check everything, then broadcast, promote and chunk the inputs consistently."""
-    import dask
     import dask.array as da
 
     if not isinstance(feature_map, FeatureMap):
@@ -366,17 +551,43 @@ def _prepare(
     if sequence_chunks is not None:
         _check_positive("sequence_chunks", sequence_chunks, " or None")
 
+    return _layout(
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        arrays.get("key_mask"),
+        info,
+        feature_map,
+        causal=causal,
+        dtype=info.dtype,
+        sequence_chunks=sequence_chunks,
+    )
+
+
+def _layout(
+    q: Any,
+    k: Any,
+    v: Any,
+    key_mask: Any,
+    info: AttentionInputs,
+    feature_map: FeatureMap,
+    *,
+    causal: bool,
+    dtype: Any,
+    sequence_chunks: int | None = None,
+) -> _Inputs:
+    """Checked Dask inputs broadcast to ``info.batch_shape``, cast to ``dtype`` and chunked
+    consistently."""
+    import dask
+    import dask.array as da
+
     batch = info.batch_shape
 
     def full(x: Any, tail: tuple[int, ...]) -> Any:
         return da.broadcast_to(x, (*batch, *tail))
 
-    q = full(arrays["q"].astype(info.dtype), arrays["q"].shape[-2:])
-    k = full(arrays["k"].astype(info.dtype), arrays["k"].shape[-2:])
-    v = full(arrays["v"].astype(info.dtype), arrays["v"].shape[-2:])
-    mask = None
-    if "key_mask" in arrays:
-        mask = full(arrays["key_mask"], (info.key_length,))
+    q, k, v = (full(x.astype(dtype), x.shape[-2:]) for x in (q, k, v))
+    mask = None if key_mask is None else full(key_mask, (info.key_length,))
     nb = len(batch)
     # Feature axes in one chunk; batch axes chunked like q; sequence axes as asked
     # (causal: keys like queries; bidirectional: values and mask like keys).
@@ -539,6 +750,11 @@ def _empty_packed(like: Array) -> Array:
     xp = array_api_compat.array_namespace(like)
     kv, log_shift = _unpack(like)
     return _pack(xp, xp.zeros_like(kv), xp.full_like(log_shift, -math.inf))
+
+
+def _unpack_block(packed: Array) -> Array:
+    """``(..., 1, m, d_v + 2)`` to ``(..., m, d_v + 2)``: a packed block without its chunk axis."""
+    return packed[..., 0, :, :]
 
 
 def _pack(xp: Namespace, kv: Array, log_shift: Array) -> Array:
