@@ -4,6 +4,7 @@ The same functions run on NumPy, CuPy, PyTorch, JAX, Dask and array-api-strict
 arrays and return the caller's array type on the caller's device.
 """
 
+from linattn._dispatch import Plan, causal_plan
 from linattn.attention import favor_attention, linear_attention, softmax_attention
 from linattn.features import KINDS, FeatureMap
 from linattn.projections import gaussian_projection
@@ -14,6 +15,8 @@ __all__ = [
     "KINDS",
     "FeatureMap",
     "LinearAttentionState",
+    "Plan",
+    "causal_plan",
     "combine",
     "favor_attention",
     "gaussian_projection",

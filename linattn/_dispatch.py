@@ -1,17 +1,22 @@
-"""The one place that decides who runs causal attention: a compiled kernel or the array API.
+"""The one place that decides who runs causal attention: one :class:`Plan` per call.
 
-``backend="auto"`` (or the ``LINATTN_BACKEND`` environment variable) picks the Numba
-kernel when one can serve the arrays and the array-API path otherwise;
-``"numba"`` insists on the kernel, ``"array_api"`` on the portable path.
-``linattn_numba`` is imported lazily, here and nowhere else, so ``linattn`` imports
-without numba installed.
+``backend="auto"`` (or the ``LINATTN_BACKEND`` environment variable) picks a compiled
+Numba kernel when one can serve the arrays and the portable code otherwise;
+``"numba"`` insists on the kernel, ``"array_api"`` on the portable code, which is the
+batched chunk pass with the framework's own scan on JAX and the sequence-parallel
+scan of :mod:`linattn.distributed` on Dask.  The plan names the path and says why;
+:func:`linattn.causal_plan` shows it, and so does ``linattn info``.  ``linattn_numba``
+is imported lazily, here and nowhere else, so ``linattn`` imports without numba.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import array_api_compat
 
 from linattn import causal as causal_path
 from linattn._xp import Array, Namespace
@@ -21,10 +26,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
+    "PATHS",
     "Backend",
+    "Plan",
     "causal",
-    "causal_backward_kernel",
-    "fused_causal",
+    "causal_plan",
+    "kernel_for",
     "kernel_status",
     "resolve_backend",
 ]
@@ -34,7 +41,57 @@ Backend = Literal["auto", "numba", "array_api"]
 BACKENDS: tuple[Backend, ...] = ("auto", "numba", "array_api")
 ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
 
+Path = Literal["numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api"]
+#: The paths a plan can name (reported, not selectable).
+PATHS: tuple[Path, ...] = ("numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api")
+
+#: Tokens per pass of the batched chunk algorithm on eager CPU arrays: its temporaries
+#: (a few ``tokens x m`` arrays per head) then stay in cache; measured in
+#: ``benchmarks/test_causal_paths.py``.  GPUs and tracing frameworks take one pass.
+EAGER_CPU_TOKENS_PER_PASS = 4096
+
 CausalResult = tuple[Array, Array, Array]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who runs one causal attention call, and why.
+
+    Attributes
+    ----------
+    path : str
+        One of :data:`PATHS`: ``"numba-cpu"`` / ``"numba-cuda"`` (compiled kernels),
+        ``"jax-scan"`` (batched chunks, :func:`jax.lax.associative_scan`),
+        ``"dask-scan"`` (:func:`linattn.distributed.dask_linear_attention`) or
+        ``"array-api"`` (batched chunks, a log-depth scan in the array API).
+    reason : str
+        Why this path, in words (the backend asked for, what a kernel lacks).
+    fused : bool
+        The fused CPU pass computes features and attention in one go (no ``L x m``
+        array): NumPy arrays, positive or hyperbolic features, no rebalancing.
+    tokens_per_pass : int or None
+        The batched chunk pass runs over groups of about this many tokens (eager CPU
+        arrays); ``None`` is one pass over the whole sequence.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> la.causal_plan(np.zeros((4, 8)), backend="array_api").path
+    'array-api'
+    """
+
+    path: Path
+    reason: str
+    fused: bool = False
+    tokens_per_pass: int | None = None
+    kernel: Callable[..., CausalResult] | None = None
+    backward: Callable[..., Any] | None = None
+
+    @property
+    def compiled(self) -> bool:
+        """True when a Numba kernel runs the causal scan."""
+        return self.kernel is not None
 
 
 def resolve_backend(backend: object) -> Backend:
@@ -44,6 +101,94 @@ def resolve_backend(backend: object) -> Backend:
         source = "backend" if backend is not None else f"${ENVIRONMENT_VARIABLE}"
         raise ValueError(f"{source} must be one of {BACKENDS}; got {chosen!r}")
     return chosen
+
+
+def causal_plan(
+    x: Array, /, feature_map: FeatureMap | None = None, *, backend: Backend | None = None
+) -> Plan:
+    """The plan for causal attention on arrays like ``x`` (queries) with ``feature_map``.
+
+    Parameters
+    ----------
+    x : array
+        Queries (or any array of the same library and device).
+    feature_map : FeatureMap, optional
+        The map; decides whether the fused pass applies and whether the kernels can take
+        its features (they take positive features only).
+    backend : {"auto", "numba", "array_api"}, optional
+        As for :func:`linattn.linear_attention`; ``"numba"`` raises where no kernel
+        serves the arrays.
+
+    Returns
+    -------
+    Plan
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> plan = la.causal_plan(np.zeros((4, 8)), la.FeatureMap(8, 16))
+    >>> plan.path in ("numba-cpu", "array-api"), isinstance(plan.reason, str)
+    (True, True)
+    """
+    chosen = resolve_backend(backend)
+    if not array_api_compat.is_array_api_obj(x):  # the front door's checks say what is wrong
+        return Plan("array-api", f"{type(x).__name__} is not an array")
+    if array_api_compat.is_dask_array(x):
+        return Plan("dask-scan", "Dask arrays: a scan of chunk states over the input's chunks")
+    if chosen == "array_api":
+        reason = "backend='array_api'" + (
+            " ($LINATTN_BACKEND)" if backend is None and ENVIRONMENT_VARIABLE in os.environ else ""
+        )
+        return _portable(x, reason)
+    kernel, reason = kernel_for(x)
+    if kernel is not None and feature_map is not None and not feature_map.is_positive:
+        kernel, reason = None, "the kernels take positive features only"
+    if kernel is None:
+        if chosen == "numba":
+            raise ValueError(
+                f"backend='numba' cannot serve these arrays "
+                f"({type(x).__module__}.{type(x).__name__}): {reason}"
+            )
+        return _portable(x, reason)
+    on_gpu = _library(x) == "cupy" or getattr(getattr(x, "device", None), "type", "") == "cuda"
+    return Plan(
+        "numba-cuda" if on_gpu else "numba-cpu",
+        f"the compiled {'CUDA' if on_gpu else 'CPU'} kernel serves {_library(x)} arrays",
+        fused=_fused(x, feature_map),
+        kernel=kernel,
+        backward=_numpy_backward() if _library(x) == "numpy" else None,
+    )
+
+
+def causal(
+    xp: Namespace,
+    log_phi_q: Array,
+    sign_q: Array | None,
+    log_phi_k: Array,
+    sign_k: Array | None,
+    values_aug: Array,
+    kv: Array,
+    log_shift: Array,
+    *,
+    chunk_size: int,
+    plan: Plan,
+) -> CausalResult:
+    """Chunked causal attention on the plan's path; same results either way."""
+    if plan.kernel is not None:
+        return plan.kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
+    return causal_path.causal(
+        xp,
+        log_phi_q,
+        sign_q,
+        log_phi_k,
+        sign_k,
+        values_aug,
+        kv,
+        log_shift,
+        chunk_size,
+        tokens_per_pass=plan.tokens_per_pass,
+    )
 
 
 def kernel_status() -> dict[str, str]:
@@ -59,6 +204,38 @@ def kernel_status() -> dict[str, str]:
     return status
 
 
+def _portable(x: Array, reason: str) -> Plan:
+    """The batched chunk pass: the framework's scan on JAX, groups of chunks on eager CPUs."""
+    if array_api_compat.is_jax_array(x):
+        return Plan("jax-scan", f"{reason}; JAX arrays: jax.lax.associative_scan")
+    return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x))
+
+
+def _tokens_per_pass(x: Array) -> int | None:
+    """Groups of tokens for eager CPU arrays; one pass on GPUs and while torch compiles."""
+    library = _library(x)
+    if library == "torch":
+        import torch
+
+        if torch.compiler.is_compiling() or x.device.type != "cpu":
+            return None
+        return EAGER_CPU_TOKENS_PER_PASS
+    if library in ("numpy", "array_api_strict"):
+        return EAGER_CPU_TOKENS_PER_PASS
+    return None
+
+
+def _fused(x: Array, feature_map: FeatureMap | None) -> bool:
+    """The fused CPU pass takes NumPy arrays and the kinds that say so, unrebalanced."""
+    return (
+        feature_map is not None
+        and _library(x) == "numpy"
+        and feature_map._spec.fused
+        and feature_map.rebalance_scales is None
+        and feature_map.projection is not None
+    )
+
+
 def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     """The kernel entry point that serves arrays like ``x``, or ``None`` and the reason."""
     try:
@@ -68,64 +245,14 @@ def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     return linattn_numba.causal_kernel_for(x)
 
 
-def causal(
-    xp: Namespace,
-    log_phi_q: Array,
-    sign_q: Array | None,
-    log_phi_k: Array,
-    sign_k: Array | None,
-    values_aug: Array,
-    kv: Array,
-    log_shift: Array,
-    *,
-    chunk_size: int,
-    backend: Backend | None,
-) -> CausalResult:
-    """Chunked causal attention by the chosen backend; same results either way."""
-    chosen = resolve_backend(backend)
-    if chosen != "array_api":
-        kernel, reason = kernel_for(log_phi_q)
-        if kernel is not None and sign_q is not None:
-            kernel, reason = None, "the kernels take positive features only"
-        if kernel is not None:
-            return kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
-        if chosen == "numba":
-            raise ValueError(
-                f"backend='numba' cannot serve these arrays "
-                f"({type(log_phi_q).__module__}.{type(log_phi_q).__name__}): {reason}"
-            )
-    return causal_path.causal(
-        xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift, chunk_size
-    )
+def _numpy_backward() -> Callable[..., Any] | None:
+    from linattn_numba import cpu
+
+    return cpu.causal_backward_kernel("numpy")
 
 
-def causal_backward_kernel(
-    x: Array, *, signed: bool, backend: Backend | None
-) -> Callable[..., tuple[Array, Array, Array, Array]] | None:
-    """The compiled causal backward for arrays like ``x``, or ``None`` for the array API.
-
-    Only NumPy arrays with positive features have one (torch users get the kernel's
-    gradients through autograd); ``backend="numba"`` on anything else raises.
-    """
-    chosen = resolve_backend(backend)
-    if chosen == "array_api":
-        return None
-    kernel, reason = None, "the compiled backward serves NumPy arrays only"
-    if type(x).__module__.split(".")[0] == "numpy":
-        try:
-            from linattn_numba import cpu
-
-            kernel, reason = cpu.causal_backward_kernel("numpy"), "available"
-        except ImportError as error:
-            reason = f"linattn_numba cannot be imported ({error}); install linattn[numba]"
-    if kernel is not None and signed:
-        kernel, reason = None, "the kernels take positive features only"
-    if kernel is None and chosen == "numba":
-        raise ValueError(
-            f"backend='numba' cannot serve these arrays "
-            f"({type(x).__module__}.{type(x).__name__}): {reason}"
-        )
-    return kernel
+def _library(x: Array) -> str:
+    return type(x).__module__.split(".")[0]
 
 
 def fused_causal(
@@ -138,25 +265,15 @@ def fused_causal(
     log_shift: Array,
     *,
     chunk_size: int,
-    backend: Backend | None,
-) -> CausalResult | None:
-    """Features, causal attention and normalisation in one compiled pass, or ``None``.
+) -> CausalResult:
+    """Features, causal attention and normalisation in one compiled pass (``plan.fused``).
 
-    Serves NumPy arrays with ``"positive"`` or ``"hyperbolic"`` features when the CPU
-    kernels import; returns ``(outputs, kv, log_shift)`` with outputs normalised, in
-    the compute dtype.  It never holds an ``L x m`` feature array (the path for long
-    sequences).  ``None`` means: compute features and call :func:`causal`.
+    Returns ``(outputs, kv, log_shift)`` with outputs normalised, in the compute dtype;
+    it never holds an ``L x m`` feature array (the path for long sequences).
     """
-    if resolve_backend(backend) == "array_api" or not feature_map._spec.fused:
-        return None
-    if feature_map.rebalance_scales is not None or feature_map.projection is None:
-        return None  # rebalanced queries and keys differ: the fused pass does not take them
-    if type(q).__module__.split(".")[0] != "numpy":
-        return None
-    try:
-        from linattn_numba import cpu
-    except ImportError:
-        return None
+    from linattn_numba import cpu
+
+    assert feature_map.projection is not None
     return cpu.favor_causal(
         q,
         k,

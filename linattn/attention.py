@@ -186,12 +186,29 @@ def linear_attention(
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
         )
+    plan = _dispatch.causal_plan(q, feature_map, backend=backend)
+    if plan.path == "dask-scan":
+        # The sequence-parallel graph: it grows with q's sequence chunks, not L / chunk_size;
+        # it runs the checks below itself, after wrapping a NumPy state in Dask.
+        from linattn.distributed import dask_linear_attention
+
+        return dask_linear_attention(
+            q,
+            k,
+            v,
+            feature_map,
+            causal=causal,
+            key_mask=key_mask,
+            state=state,
+            return_state=return_state,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
     extra = {} if state is None else _state_arrays(state)
     info = check_attention_inputs(
         q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
     )
     chunk_size = check_chunk_size(chunk_size)
-    _dispatch.resolve_backend(backend)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be True or False; got {return_state!r}")
     if not causal and (state is not None or return_state):
@@ -226,19 +243,14 @@ def linear_attention(
         kv = xp.broadcast_to(state.kv, (*batch, m, info.value_dim + 1))
         log_shift = xp.broadcast_to(state.log_shift, (*batch, m))
 
-    # One compiled pass (features included, no L x m array) where the kernels offer it.
-    fused = (
-        _dispatch.fused_causal(
-            q, k, v, feature_map, key_mask, kv, log_shift, chunk_size=chunk_size, backend=backend
+    if causal and plan.fused:
+        # One compiled pass, features included: no L x m array.
+        normalised, kv, log_shift = _dispatch.fused_causal(
+            q, k, v, feature_map, key_mask, kv, log_shift, chunk_size=chunk_size
         )
-        if causal
-        else None
-    )
-    if fused is not None:
-        normalised, kv, log_shift = fused
     else:
         normalised, kv, log_shift = _features_then_attention(
-            q, k, v, feature_map, info, batch, key_mask, kv, log_shift, causal, chunk_size, backend
+            q, k, v, feature_map, info, batch, key_mask, kv, log_shift, causal, chunk_size, plan
         )
     out = xp.astype(normalised, info.dtype, copy=False)  # no second output-sized copy
     if not return_state:
@@ -313,12 +325,12 @@ def _features_then_attention(
     log_shift: Array,
     causal: bool,
     chunk_size: int,
-    backend: Backend | None,
+    plan: _dispatch.Plan,
 ) -> tuple[Array, Array, Array]:
     """Log-features in the array API, then the kernel or array-API attention; normalised."""
     operands = attention_operands(q, k, v, feature_map, info, batch, key_mask, kv.dtype)
     outputs_aug, kv, log_shift = attend(
-        info.xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, backend=backend
+        info.xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, plan=plan
     )
     return causal_path.normalise(info.xp, outputs_aug), kv, log_shift
 
@@ -331,12 +343,12 @@ def attend(
     *,
     causal: bool,
     chunk_size: int,
-    backend: Backend | None,
+    plan: _dispatch.Plan,
 ) -> tuple[Array, Array, Array]:
     """Unnormalised ``[numerator | denominator]`` and the state after the keys.
 
-    Causal attention goes through :mod:`linattn._dispatch` (kernel or array API);
-    bidirectional attention is one pass in the array API.
+    Causal attention runs on the plan's path (:mod:`linattn._dispatch`); bidirectional
+    attention is one pass in the array API.
     """
     log_phi_q, sign_q, log_phi_k, sign_k, values_aug = operands
     if causal:
@@ -350,7 +362,7 @@ def attend(
             kv,
             log_shift,
             chunk_size=chunk_size,
-            backend=backend,
+            plan=plan,
         )
     outputs_aug = causal_path.bidirectional(
         xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift

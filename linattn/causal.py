@@ -84,13 +84,14 @@ def causal(
     kv: Array,
     log_shift: Array,
     chunk_size: int,
-    chunks_per_pass: int | None = None,
+    *,
+    tokens_per_pass: int | None = None,
 ) -> tuple[Array, Array, Array]:
     """Chunked causal linear attention continuing from state ``(kv, log_shift)``.
 
     One batched pass, no loop over the sequence: every chunk's own state at once, a
     scan of those states (:func:`linattn.scan.inclusive_scan`, O(log N) steps), then
-    every chunk's outputs at once.  ``chunks_per_pass`` (the plan's choice for eager
+    every chunk's outputs at once.  ``tokens_per_pass`` (the plan's choice for eager
     CPU arrays, :mod:`linattn._dispatch`) splits that pass into groups of chunks carried
     one to the next, so that each group's temporaries stay in cache; ``None`` is one
     pass, as tracing frameworks and GPUs want.
@@ -102,7 +103,8 @@ def causal(
     """
     blocks = ChunkBlocks.of(xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, chunk_size)
     count = blocks.operands[0].shape[-3]
-    step = count if chunks_per_pass is None else max(1, chunks_per_pass)
+    size = blocks.lower.shape[0]
+    step = count if tokens_per_pass is None else max(1, tokens_per_pass // size)
     pieces = []
     for first in range(0, count, step):
         group = blocks if step >= count else blocks.select(first, first + step)

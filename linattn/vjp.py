@@ -92,7 +92,7 @@ def linear_attention_vjp(
         extra={"grad_output": grad_output},
     )
     chunk_size = check_chunk_size(chunk_size)
-    _dispatch.resolve_backend(backend)
+    plan = _dispatch.causal_plan(q, feature_map, backend=backend)
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)
     batch, lq, dv = info.batch_shape, info.query_length, info.value_dim
@@ -122,7 +122,7 @@ def linear_attention_vjp(
 
     operands = (log_phi_q, sign_q, log_phi_k, sign_k, values_aug)
     outputs_aug, _, _ = attend(
-        xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, backend=backend
+        xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, plan=plan
     )
     d_outputs_aug = _normalise_vjp(xp, outputs_aug, xp.astype(grad_output, work, copy=False))
 
@@ -131,11 +131,14 @@ def linear_attention_vjp(
             xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, d_outputs_aug
         )
     else:
-        kernel = _dispatch.causal_backward_kernel(
-            log_phi_q, signed=sign_q is not None, backend=backend
-        )
-        if kernel is not None:
-            d_lq, d_lk, d_va, _ = kernel(
+        if plan.backward is None and _dispatch.resolve_backend(backend) == "numba":
+            raise ValueError(
+                f"backend='numba' cannot serve these arrays ({type(q).__module__}."
+                f"{type(q).__name__}): the compiled backward serves NumPy arrays with "
+                "positive features only"
+            )
+        if plan.backward is not None:
+            d_lq, d_lk, d_va, _ = plan.backward(
                 log_phi_q,
                 log_phi_k,
                 values_aug,

@@ -81,7 +81,11 @@ def test_forward_equals_array_api(case: tuple, dtype: str) -> None:
     kv_before = kv.copy()
     out, kv_out, mu_out = cpu.causal_kernel("numpy")(lq, lk, va, kv, mu, chunk)
     ref_out, ref_kv, ref_mu = causal_path.causal(np, lq, None, lk, None, va, kv, mu, chunk)
-    row_close(out, ref_out, RTOL[dtype])
+    # Unnormalised outputs carry each row's stabiliser, which depends on how the tokens
+    # are grouped (the array-API pass uses blocks of at least d_v + 1 tokens): compare
+    # what the stabiliser cancels from.
+    row_close(causal_path.normalise(np, out), causal_path.normalise(np, ref_out), RTOL[dtype])
+    assert out.shape == ref_out.shape
     row_close(kv_out, ref_kv, RTOL[dtype])
     np.testing.assert_array_equal(mu_out, ref_mu)
     np.testing.assert_array_equal(kv, kv_before)  # the state passed in is not modified
@@ -125,6 +129,13 @@ def test_backward_equals_array_api_autograd(case: tuple, dtype: str) -> None:
     expected = _reference_gradients(tuple(x.astype("float64") for x in inputs), chunk, g, h)
     d_out, d_kv = _kernel_cotangents(inputs, chunk, g, h)
     got = cpu.numpy_backward(*inputs, chunk, d_out, d_kv)
+    # A state row whose shift is -inf holds no key, so its kv entries are 0 in every state
+    # the library makes; how they would act if they were not is a convention (the kernel
+    # reads them in the first chunk, the batched pass never), so only the gradients of
+    # rows that hold keys are compared.
+    holds_keys = np.isfinite(inputs[4])[..., None]
+    expected = (*expected[:3], np.where(holds_keys, expected[3], 0.0))
+    got = (*got[:3], np.where(holds_keys, got[3], 0.0).astype(got[3].dtype))
     for name, actual, ref in zip(("lq", "lk", "va", "kv"), got, expected, strict=True):
         assert actual.dtype == np.dtype(dtype), name
         # Cancelling sums again: compare against the largest entry, and against the

@@ -29,19 +29,14 @@ __all__ = ["accuracy", "bench", "causal_path", "demo"]
 
 
 def causal_path(library: ArrayLibrary) -> str:
-    """Who runs causal linear attention for this library under the current backend choice."""
-    try:
-        chosen = _dispatch.resolve_backend(None)
-    except ValueError as error:
-        return f"error: {error}"
-    if chosen == "array_api":
-        return "array API ($LINATTN_BACKEND=array_api)"
+    """Who runs causal linear attention for this library: the plan's path and reason."""
     import numpy as np
 
-    kernel, reason = _dispatch.kernel_for(library.asarray(np.zeros((1, 1))))
-    if kernel is not None:
-        return "compiled Numba kernel"
-    return f"array API ({reason})"
+    try:
+        plan = _dispatch.causal_plan(library.asarray(np.zeros((1, 1))))
+    except ValueError as error:
+        return f"error: {error}"
+    return f"{plan.path} ({plan.reason})"
 
 
 def _machine_header(library: ArrayLibrary, extra: dict[str, str]) -> dict[str, str]:
