@@ -46,6 +46,7 @@ __all__ = [
     "SERIAL_WORK",
     "Variants",
     "choose_variant",
+    "describe",
     "jit",
     "serial_reason",
     "single_threaded_blas",
@@ -134,9 +135,23 @@ def _importable(layer: str) -> bool:
         return True  # (built into Numba)
     try:  # (importlib.util.find_spec finds the module even where its library is missing)
         __import__(f"numba.np.ufunc.{layer}pool")
-    except ImportError:
+    except (ImportError, OSError):
         return False
     return True
+
+
+def describe() -> str:
+    """The threading layer, what it means for the kernels, and the cache setting (for
+    ``linattn info``)."""
+    layer = threading_layer()
+    started = "in use" if _numba_parallel._is_initialized else "starts on the first parallel call"
+    unsafe = [
+        *([] if layer in _THREAD_SAFE else ["calls from other threads run serial"]),
+        *([] if layer in _FORK_SAFE else ["forked children run serial"]),
+    ]
+    safety = "; ".join(unsafe) if unsafe else "thread- and fork-safe"
+    cache = "on" if CACHE else f"off ({CACHE_VARIABLE}=1 turns it on)"
+    return f"threading layer {layer} ({started}; {safety}); compile cache {cache}"
 
 
 # A forked child inherits the parent's thread pool state but not its threads.
