@@ -13,8 +13,8 @@ the calling thread.  :func:`choose_variant` picks per call; the serial variant r
   more than it saves, and under contention far more (:data:`SERIAL_WORK`).
 
 This follows numbagg (``numbagg/decorators.py``).  The compile cache is off unless
-``LINATTN_NUMBA_CACHE=1`` (Numba's cache is not safe for processes that compile the
-same function at once, and a stale one is hard to diagnose).
+``LINATTN_NUMBA_CACHE=1``: processes that compile the same functions at once can race
+on Numba's cache files and crash (numba issue 4807).
 
 Examples
 --------
@@ -72,6 +72,7 @@ CACHE = _cache_from_environment()
 #: ``docs/backends.md``.
 SERIAL_WORK = 2**23
 
+_CONFIG: Any = numba.config  # (its settings are set at import: mypy cannot see them)
 _LAYERS = ("tbb", "omp", "workqueue")
 _THREAD_SAFE = {"tbb", "omp"}
 # GNU OpenMP (Linux) is the one that is not fork-safe; elsewhere OpenMP is.
@@ -117,14 +118,14 @@ def threading_layer() -> str:
     Numba will pick (``NUMBA_THREADING_LAYER`` and its priority, libraries probed)."""
     if _numba_parallel._is_initialized:
         return str(numba.threading_layer())
-    return _predicted_layer(str(numba.config.THREADING_LAYER).lower())
+    return _predicted_layer(str(_CONFIG.THREADING_LAYER).lower())
 
 
 def _predicted_layer(requested: str) -> str:
     if requested in _LAYERS:
         return requested
     allowed = _CATEGORIES.get(requested, set(_LAYERS))
-    for layer in numba.config.THREADING_LAYER_PRIORITY:
+    for layer in _CONFIG.THREADING_LAYER_PRIORITY:
         if layer in allowed and _importable(layer):
             return str(layer)
     return "none"

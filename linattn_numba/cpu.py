@@ -12,7 +12,9 @@ from earlier chunks and ``ms = mu`` where finite, else 0,
 * then the chunk's keys are absorbed: ``mu' = max(mu, max_j l(k_j))``,
   ``S' = exp(ms - mu') S + exp(l(K) - mu')^T [V | 1]``.
 
-Each batch x head runs on its own thread (``prange``); the chunk products are
+Each batch x head runs on its own thread (``prange``; each parallel kernel also has a
+serial twin, which :mod:`linattn_numba._machinery` picks for small work, forked children
+and unsafe thread pools); the chunk products are
 ``np.dot`` calls on contiguous blocks (BLAS ``gemm`` from SciPy's OpenBLAS, pinned
 to one thread while the kernel runs: measured 10x faster than letting BLAS threads
 fight Numba's), and the exponentials use a vectorisable ``exp`` (:func:`fast_exp`,

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-numba = pytest.importorskip("numba")
+pytest.importorskip("numba")
+
+import numba
 
 import linattn as la
 from linattn import cli
