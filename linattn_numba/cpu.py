@@ -12,7 +12,9 @@ from earlier chunks and ``ms = mu`` where finite, else 0,
 * then the chunk's keys are absorbed: ``mu' = max(mu, max_j l(k_j))``,
   ``S' = exp(ms - mu') S + exp(l(K) - mu')^T [V | 1]``.
 
-Each batch x head runs on its own thread (``prange``); the chunk products are
+Each batch x head runs on its own thread (``prange``; each parallel kernel also has a
+serial twin, which :mod:`linattn_numba._machinery` picks for small work, forked children
+and unsafe thread pools); the chunk products are
 ``np.dot`` calls on contiguous blocks (BLAS ``gemm`` from SciPy's OpenBLAS, pinned
 to one thread while the kernel runs: measured 10x faster than letting BLAS threads
 fight Numba's), and the exponentials use a vectorisable ``exp`` (:func:`fast_exp`,
@@ -38,17 +40,16 @@ stored, and each worker thread reuses one set of buffers for all its heads.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic, overload
 
-from linattn_numba import _contract
+from linattn_numba import _contract, _machinery
 
 __all__ = [
     "causal_backward_kernel",
@@ -61,11 +62,11 @@ __all__ = [
 ]
 
 
-def _jit(parallel: bool = False) -> Any:
-    # "contract" only lets LLVM fuse multiply-adds; no flag that assumes finite values.
-    return njit(
-        cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", parallel=parallel
-    )
+# Compile options, the parallel and serial twins of each parallel kernel, and which of
+# them a call runs: all in linattn_numba._machinery.
+_jit = _machinery.jit
+_variants = _machinery.Variants
+_single_threaded_blas = _machinery.single_threaded_blas
 
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -330,7 +331,7 @@ def _workspace(chunk, m, d, dtype):
     )
 
 
-@_jit(parallel=True)
+@_variants
 def _forward(lq, lk, va, kv, mu, chunk, out):
     batch, length, m = lq.shape
     for b in prange(batch):
@@ -343,7 +344,7 @@ def _forward(lq, lk, va, kv, mu, chunk, out):
             )  # fmt: skip
 
 
-@njit(cache=True, nogil=True, fastmath={"contract", "reassoc"}, error_model="numpy")
+@_jit(fastmath=frozenset({"contract", "reassoc"}))
 def _half_norm(x, root_half_scale):
     """``scale |x|^2 / 2`` of a row as ``sum((sqrt(scale / 2) x)**2)``: scaled before
     squaring, so that it overflows only where the result does; summed in any order (so
@@ -394,7 +395,7 @@ def _log_features(x, projection, consts, hyperbolic, proj, out):
 FEATURE_BLOCK = 256
 
 
-@_jit(parallel=True)
+@_variants
 def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out):
     """Features, causal attention and normalisation per block: no ``L x m`` array anywhere."""
     batch, length, _ = q.shape
@@ -576,7 +577,7 @@ def _backward_workspace(chunk, m, d, dtype):
     )
 
 
-@_jit(parallel=True)
+@_variants
 def _backward(
     lq, lk, va, kv, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu, check_kv,
     check_mu,
@@ -641,8 +642,9 @@ def numpy_forward(
     state = _fresh(kv, sizes.flat("state"), dtype)
     mu = _fresh(log_shift, sizes.flat("shift"), dtype)
     out = np.empty(sizes.flat("values"), dtype)
+    variant = _machinery.choose_variant(sizes.batch, sizes.length, sizes.m * sizes.width)
     with _single_threaded_blas():
-        _forward(lq, lk, va, state, mu, _chunk(sizes.chunk, sizes.length), out)
+        _forward.run(variant, lq, lk, va, state, mu, _chunk(sizes.chunk, sizes.length), out)
     return (
         out.reshape(sizes.shape("values")),
         state.reshape(sizes.shape("state")),
@@ -685,7 +687,8 @@ def numpy_backward(
         # segment of sqrt(N) of them plus the states at segment starts (recomputed, never
         # subtracted).
         chunk = _chunk(sizes.chunk, sizes.length)
-        workers = min(sizes.batch, numba.get_num_threads())
+        variant = _machinery.choose_variant(sizes.batch, sizes.length, sizes.m * sizes.width)
+        workers = min(sizes.batch, numba.get_num_threads()) if variant == "parallel" else 1
         n_chunks = -(-sizes.length // chunk)
         stored = n_chunks * m * width * dlq.itemsize
         per_segment = n_chunks if stored <= STORE_BYTES else math.ceil(math.sqrt(n_chunks))
@@ -695,8 +698,8 @@ def numpy_backward(
         check_kv = np.empty((workers, n_segments, m, width), dtype)
         check_mu = np.empty((workers, n_segments, m), dtype)
         with _single_threaded_blas():
-            _backward(
-                *flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu,
+            _backward.run(
+                variant, *flat, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu,
                 check_kv, check_mu,
             )  # fmt: skip
     return (
@@ -772,9 +775,10 @@ def favor_causal(
     consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
     scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
     out = np.empty((n, length, dv), dtype)
+    variant = _machinery.choose_variant(n, length, m * (dv + 1))
     with _single_threaded_blas():
-        _forward_fused(
-            qf, kf, vf, maskf, scaled_projection, consts,
+        _forward_fused.run(
+            variant, qf, kf, vf, maskf, scaled_projection, consts,
             bool(hyperbolic), state, mu, chunk, out,
         )  # fmt: skip
     return (
@@ -782,33 +786,6 @@ def favor_causal(
         state.reshape((*batch, m, dv + 1)),
         mu.reshape((*batch, m)),
     )
-
-
-@contextmanager
-def _single_threaded_blas() -> Iterator[None]:
-    """BLAS runs single-threaded inside the kernels (they parallelise over heads)."""
-    controller = _blas_controller()
-    if controller is None:
-        yield
-        return
-    with controller.limit(limits=1, user_api="blas"):
-        yield
-
-
-_CONTROLLER: list[Any] = []
-
-
-def _blas_controller() -> Any:
-    if not _CONTROLLER:
-        try:
-            # Numba's np.dot calls the BLAS that SciPy ships: load it before looking.
-            import scipy.linalg.cython_blas  # noqa: F401
-            from threadpoolctl import ThreadpoolController
-
-            _CONTROLLER.append(ThreadpoolController())
-        except ImportError:
-            _CONTROLLER.append(None)
-    return _CONTROLLER[0]
 
 
 # -- torch ----------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""The CPU kernels in real programs: forked children, thread pools, the compile cache and
+small work (``linattn_numba._machinery``).
+
+The fork and thread-pool cases run in a subprocess with a timeout: on failure the
+kernel kills the process (GNU OpenMP after ``fork``), hangs ``multiprocessing.Pool``
+or aborts the interpreter (``workqueue`` from several threads), which must fail one
+test, not end the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import numba
+
+import linattn as la
+from linattn import cli
+from linattn_numba import _machinery, cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Tiny shapes (compiling dominates); the parent forces the parallel variant, so that
+#: its thread pool is running when it forks or hands work to threads.
+PROGRAM = """
+import concurrent.futures, multiprocessing, sys
+import numpy as np
+import linattn as la
+
+try:
+    from linattn_numba import _machinery
+    _machinery.SERIAL_WORK = 0
+except ImportError:  # (a version without the serial variants)
+    pass
+
+
+def attend(seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((4, 24, 8)) for _ in range(3))
+    fm = la.FeatureMap(8, 16, seed=0)
+    return la.linear_attention(q, k, v, fm, causal=True, backend="numba", chunk_size=8)
+
+
+if __name__ == "__main__":
+    seeds = list(range(8))
+    expected = [attend(s) for s in seeds]
+    if sys.argv[1] == "fork":
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            got = pool.map(attend, seeds)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = [y for _ in range(3) for y in pool.map(attend, seeds)]
+    wrong = [i for i, (a, b) in enumerate(zip(got, expected * 3)) if not np.array_equal(a, b)]
+    print("wrong:", wrong)
+    sys.exit(1 if wrong else 0)
+"""
+
+
+def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment.pop(_machinery.CACHE_VARIABLE, None)
+    environment.update(env)
+    try:
+        return subprocess.run(
+            [sys.executable, *argv], capture_output=True, text=True, env=environment,
+            timeout=timeout, check=False, cwd=ROOT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{argv} did not finish in {timeout} s (hung): {error.stderr!r}")
+
+
+def test_forked_children_compute_like_their_parent(tmp_path: Path) -> None:
+    """A ``fork`` Pool after the parent ran the parallel kernel (GNU OpenMP killed the
+    children and the pool hung)."""
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    done = _run([str(script), "fork"], {}, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_thread_pool_with_the_workqueue_layer(tmp_path: Path) -> None:
+    """Four threads calling the kernel at once with ``workqueue``, which is not
+    thread-safe (it aborted the interpreter)."""
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    done = _run([str(script), "threads"], {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+CACHES = """
+import numba
+from linattn_numba import cpu
+kernels = [x for x in vars(cpu).values() if isinstance(x, numba.core.dispatcher.Dispatcher)]
+kernels += [d for x in vars(cpu).values() for d in getattr(x, "dispatchers", {}).values()]
+print(sorted({type(k._cache).__name__ for k in kernels}), len(kernels))
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "cache"), [(None, "NullCache"), ("0", "NullCache"), ("1", "FunctionCache")]
+)
+def test_compile_cache_is_opt_in(value: str | None, cache: str) -> None:
+    env = {} if value is None else {_machinery.CACHE_VARIABLE: value}
+    done = _run(["-c", CACHES], env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    caches, count = done.stdout.split("] ")
+    assert caches + "]" == repr([cache])
+    assert int(count) > 10  # (every compiled function of the module was looked at)
+
+
+STATE = 256 * 65  # one head's state entries at m = 256, d_v = 64
+
+
+def test_small_work_runs_serial() -> None:
+    assert _machinery.choose_variant(4, 1, STATE) == "serial"  # a one-token decode step
+    assert _machinery.choose_variant(1, 10**6, STATE) == "serial"  # one head: no pool
+    assert "small work" in str(_machinery.serial_reason(8, 1, STATE))
+    large = _machinery.choose_variant(64, 4096, STATE)
+    threads = numba.get_num_threads()
+    assert large == ("parallel" if threads > 1 else "serial")
+
+
+def test_a_decode_step_launches_the_serial_variant() -> None:
+    rng = np.random.default_rng(0)
+    fm = la.FeatureMap(16, 32, seed=0)
+    x = rng.standard_normal((4, 1, 16))
+    before = dict(cpu._forward_fused.launches)
+    la.linear_attention(x, x, x, fm, causal=True, backend="numba")
+    after = cpu._forward_fused.launches
+    assert after["serial"] == before.get("serial", 0) + 1
+    assert after["parallel"] == before.get("parallel", 0)
+
+
+def _reason_on_a_thread() -> str | None:
+    found: list[str | None] = []
+    thread = threading.Thread(target=lambda: found.append(_machinery.serial_reason(64, 4096, 9)))
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+@pytest.mark.parametrize(("layer", "serial"), [("workqueue", True), ("omp", False)])
+def test_threads_run_serial_where_the_layer_is_not_thread_safe(
+    layer: str, serial: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_machinery, "threading_layer", lambda: layer)
+    monkeypatch.setattr(_machinery, "SERIAL_WORK", 0)
+    reason = _reason_on_a_thread()
+    assert ("not thread-safe" in str(reason)) is serial
+    assert "not thread-safe" not in str(_machinery.serial_reason(64, 4096, 9))  # main thread
+
+
+@pytest.mark.parametrize(("layer", "serial"), [("omp", True), ("workqueue", False)])
+def test_forked_children_run_serial_where_the_layer_is_not_fork_safe(
+    layer: str, serial: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("only GNU OpenMP (Linux) is not fork-safe")
+    monkeypatch.setattr(_machinery, "threading_layer", lambda: layer)
+    monkeypatch.setattr(_machinery._numba_parallel, "_is_initialized", True)
+    monkeypatch.setitem(_machinery._FORK, "unsafe", False)
+    _machinery._after_fork_in_child()  # (what os.fork runs in the child)
+    assert _machinery._FORK["unsafe"] is serial
+    reason = str(_machinery.serial_reason(64, 4096, 9))
+    assert ("forked child" in reason) is serial
+
+
+def test_concurrent_kernels_leave_blas_threads_as_they_were() -> None:
+    """The BLAS limit is process-wide: overlapping calls (thread pools) must restore it."""
+    controller = _machinery._blas_controller()
+    if controller is None:
+        pytest.skip("threadpoolctl is not installed")
+    original = [lib.num_threads for lib in controller.select(user_api="blas").lib_controllers]
+    if max(original) < 2:
+        pytest.skip("BLAS runs one thread here anyway")
+    first, second = cpu._single_threaded_blas(), cpu._single_threaded_blas()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # (the first call ends while the second runs)
+    pinned = [lib.num_threads for lib in controller.select(user_api="blas").lib_controllers]
+    second.__exit__(None, None, None)
+    restored = [lib.num_threads for lib in controller.select(user_api="blas").lib_controllers]
+    assert max(pinned) == 1
+    assert restored == original
+
+
+def test_info_shows_the_threading_layer_and_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info", "--format", "json"]) == 0
+    cpu_kernel = json.loads(capsys.readouterr().out)["kernels"]["numba-cpu"]
+    assert cpu_kernel.startswith("available; ")
+    assert f"threading layer {_machinery.threading_layer()}" in cpu_kernel
+    assert "compile cache off" in cpu_kernel
