@@ -26,14 +26,14 @@ Examples
 --------
 >>> import torch
 >>> from linattn_numba import _torch
->>> lq = torch.zeros(1, 3, 2)  # equal features: causal attention is a running mean
+>>> lq = torch.zeros(1, 3, 1)  # one feature, equal: causal attention is a running mean
 >>> va = torch.tensor([[[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]], requires_grad=True)
->>> kv, mu = torch.zeros(1, 2, 2), torch.full((1, 2), -torch.inf)
+>>> kv, mu = torch.zeros(1, 1, 2), torch.full((1, 1), -torch.inf)
 >>> out, kv_out, mu_out = torch.ops.linattn.causal_forward(lq, lq, va, kv, mu, 2)
 >>> (out[..., 0] / out[..., 1]).tolist()
 [[0.0, 0.5, 1.0]]
 >>> out[..., 0].sum().backward()
->>> va.grad[0, :, 0].tolist()  # each value reaches itself and every later token
+>>> va.grad[0, :, 0].tolist()  # each value reaches its own and every later output
 [3.0, 2.0, 1.0]
 """
 
@@ -133,31 +133,15 @@ def _fresh_like(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @causal_forward.register_fake
-def _fake_forward(
-    log_phi_q: Tensor,
-    log_phi_k: Tensor,
-    values_aug: Tensor,
-    kv: Tensor,
-    log_shift: Tensor,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    dtype = _compute_dtype(log_phi_q)
-    return tuple(_fresh_like(x, dtype) for x in (values_aug, kv, log_shift))  # type: ignore[return-value]
+def _fake_forward(lq: Tensor, lk: Tensor, va: Tensor, kv: Tensor, mu: Tensor, chunk: int) -> Any:
+    dtype = _compute_dtype(lq)
+    return _fresh_like(va, dtype), _fresh_like(kv, dtype), _fresh_like(mu, dtype)
 
 
 @causal_backward.register_fake
-def _fake_backward(
-    log_phi_q: Tensor,
-    log_phi_k: Tensor,
-    values_aug: Tensor,
-    kv: Tensor,
-    log_shift: Tensor,
-    chunk_size: int,
-    d_outputs_aug: Tensor,
-    d_kv: Tensor,
-) -> Grads:
-    dtype = _compute_dtype(log_phi_q)
-    return tuple(_fresh_like(x, dtype) for x in (log_phi_q, log_phi_k, values_aug, kv))  # type: ignore[return-value]
+def _fake_backward(lq: Tensor, lk: Tensor, va: Tensor, kv: Tensor, *rest: Any) -> Any:
+    dtype = _compute_dtype(lq)
+    return tuple(_fresh_like(x, dtype) for x in (lq, lk, va, kv))
 
 
 # -- autograd -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ within 2 ulp of the C library's, with exact ``0``, ``inf`` and ``nan``).
 
 Entry points: :func:`numpy_forward` / :func:`numpy_backward` (the kernel contract
 of ``linattn_numba``), :func:`causal_kernel` (NumPy, or torch CPU tensors with
-autograd and ``torch.compile`` through the custom operators of ``_torch``) and :func:`favor_causal`, which also
+autograd through the custom operators of ``_torch``) and :func:`favor_causal`, which also
 computes the features and normalises chunk by chunk, so that no ``L x m`` array
 exists (what long sequences need).
 
