@@ -1,104 +1,219 @@
-"""Wrap a compiled forward/backward pair as a differentiable torch kernel (any device).
+"""The causal kernels as torch custom operators: ``torch.ops.linattn.causal_forward``
+and ``torch.ops.linattn.causal_backward``, on CPU and CUDA tensors.
 
-The device code (CPU via ``.numpy()``, CUDA via ``__cuda_array_interface__``) lives
-with each kernel; this module only builds the ``torch.autograd.Function``.
+Registered through ``torch.library.custom_op`` when this module is first imported
+(by ``linattn_numba.cpu`` or ``linattn_numba.gpu``, when a torch tensor first
+reaches a kernel; ``import linattn`` never imports torch).  The operators are
+opaque to ``torch.compile`` (no graph break: each has a fake implementation that
+gives output shapes and dtypes from the inputs' alone), differentiable through
+``register_autograd`` (also under ``torch.func.grad`` and ``vjp``), and refuse
+``torch.func.vmap`` with a clear ``NotImplementedError``.  The device code is
+imported inside each kernel: the CPU one from :mod:`linattn_numba.cpu` (NumPy views
+of the tensors), the CUDA one from :mod:`linattn_numba.gpu` (numba-cuda, imported
+only when a CUDA tensor arrives).
 
-The kernel's own stabilisers (the output ``log_shift`` and the per-row and per-key
-shifts inside it) are treated as constants by the backward pass.  That is exact for
-the normalised outputs ``O[..., :d_v] / O[..., d_v]`` and for anything computed from
-the state that does not change when the shift does, because numerator and
-denominator share every shift.  The output ``log_shift`` is therefore marked
-non-differentiable.  The *input* state ``(S, mu)`` stands for ``S exp(mu)``, so the
-input ``mu`` gets the gradient of that product, ``d mu = sum_e dS * S``: a state whose
-``mu`` was computed with gradients (by the array-API path) continues exactly.
+Gradients.  The kernel's own stabilisers (the output ``log_shift`` and the per-row
+and per-key shifts inside it) are treated as constants by the backward pass.  That
+is exact for the normalised outputs ``O[..., :d_v] / O[..., d_v]`` and for anything
+computed from the state that does not change when the shift does, because
+numerator and denominator share every shift.  The output ``log_shift`` is therefore
+marked non-differentiable.  The *input* state ``(S, mu)`` stands for ``S exp(mu)``,
+so the input ``mu`` gets the gradient of that product, ``d mu = sum_e dS * S``: a
+state whose ``mu`` was computed with gradients (by the array-API path) continues
+exactly.
+
+Examples
+--------
+>>> import torch
+>>> from linattn_numba import _torch
+>>> lq = torch.zeros(1, 3, 1)  # one feature, equal: causal attention is a running mean
+>>> va = torch.tensor([[[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]], requires_grad=True)
+>>> kv, mu = torch.zeros(1, 1, 2), torch.full((1, 1), -torch.inf)
+>>> out, kv_out, mu_out = torch.ops.linattn.causal_forward(lq, lq, va, kv, mu, 2)
+>>> (out[..., 0] / out[..., 1]).tolist()
+[[0.0, 0.5, 1.0]]
+>>> out[..., 0].sum().backward()
+>>> va.grad[0, :, 0].tolist()  # each value reaches its own and every later output
+[3.0, 2.0, 1.0]
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
-__all__ = ["autograd_kernel"]
+from linattn_numba import _contract
 
-Forward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+__all__ = ["NAMESPACE", "causal", "causal_backward", "causal_forward"]
+
+#: The operators' namespace: ``torch.ops.linattn.*``.
+NAMESPACE = "linattn"
+
+Grads = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
-def autograd_kernel(forward: Forward, backward: Backward) -> Callable[..., Any]:
-    """A kernel ``(lq, lk, va, kv, mu, chunk_size) -> (out_aug, kv_out, mu_out)`` with autograd.
+def causal(
+    device_type: str, lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``causal_forward`` after checking that every input is a tensor on ``device_type``
+    (``TypeError`` naming the first that is not) and that ``chunk_size`` is an integer."""
+    for name, x in zip(_contract.INPUTS, (lq, lk, va, kv, mu), strict=True):
+        if not isinstance(x, Tensor) or x.device.type != device_type:
+            device = getattr(x, "device", None)
+            got = f"{type(x).__module__}.{type(x).__name__}" + (f" on {device}" if device else "")
+            raise TypeError(f"{name} must be a torch {device_type.upper()} tensor; got {got}")
+    chunk = _contract.check_chunk_size(chunk_size)  # (the operator takes a Python int)
+    if torch.compiler.is_compiling():
+        return torch.ops.linattn.causal_forward(lq, lk, va, kv, mu, chunk)  # opaque to it
+    return _Causal.apply(lq, lk, va, kv, mu, chunk)  # (the same, as torch.func needs it)
 
-    Parameters
-    ----------
-    forward : callable
-        ``forward(lq, lk, va, kv, mu, chunk_size) -> (out_aug, kv_out, mu_out)`` on
-        torch tensors (no autograd inside).
-    backward : callable
-        ``backward(lq, lk, va, kv, mu, chunk_size, d_out_aug, d_kv_out)
-        -> (d_lq, d_lk, d_va, d_kv)`` on torch tensors.
 
-    Returns
-    -------
-    callable
-        Same signature as ``forward``; gradients reach ``lq``, ``lk``, ``va``, ``kv``
-        and ``mu`` (the last through the product ``kv exp(mu)`` it stands for).
+@torch.library.custom_op(f"{NAMESPACE}::causal_forward", mutates_args=(), device_types="cpu")
+def causal_forward(
+    log_phi_q: Tensor,
+    log_phi_k: Tensor,
+    values_aug: Tensor,
+    kv: Tensor,
+    log_shift: Tensor,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(outputs_aug, kv_out, log_shift_out)``: the kernel contract of ``linattn_numba``."""
+    from linattn_numba import cpu
 
-    Examples
-    --------
-    >>> import torch
-    >>> def fwd(lq, lk, va, kv, mu, c):
-    ...     return 2 * va, kv + 1, mu.clone()
-    >>> def bwd(lq, lk, va, kv, mu, c, d_out, d_kv):
-    ...     return torch.zeros_like(lq), torch.zeros_like(lk), 2 * d_out, d_kv
-    >>> kernel = autograd_kernel(fwd, bwd)
-    >>> va = torch.ones(3, requires_grad=True)
-    >>> out, kv, mu = kernel(va, va, va, torch.zeros(1), torch.zeros(1), 4)
-    >>> out.sum().backward()
-    >>> va.grad
-    tensor([2., 2., 2.])
-    """
+    return cpu._torch_forward(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
 
-    class CausalKernel(torch.autograd.Function):
-        @staticmethod
-        def forward(
-            ctx: Any,
-            lq: torch.Tensor,
-            lk: torch.Tensor,
-            va: torch.Tensor,
-            kv: torch.Tensor,
-            mu: torch.Tensor,
-            chunk_size: int,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            out, kv_out, mu_out = forward(
-                lq.detach(), lk.detach(), va.detach(), kv.detach(), mu.detach(), chunk_size
-            )
-            ctx.save_for_backward(lq, lk, va, kv, mu)
-            ctx.chunk_size = chunk_size
-            ctx.shapes = (out.shape, kv_out.shape)
-            ctx.mark_non_differentiable(mu_out)
-            return out, kv_out, mu_out
 
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(
-            ctx: Any, d_out: torch.Tensor | None, d_kv: torch.Tensor | None, _d_mu: Any
-        ) -> tuple[torch.Tensor | None, ...]:
-            lq, lk, va, kv, mu = ctx.saved_tensors
-            out_shape, kv_shape = ctx.shapes
-            if d_out is None:
-                d_out = torch.zeros(out_shape, dtype=va.dtype, device=va.device)
-            if d_kv is None:
-                d_kv = torch.zeros(kv_shape, dtype=kv.dtype, device=kv.device)
-            grads = backward(
-                lq, lk, va, kv, mu, ctx.chunk_size, d_out.contiguous(), d_kv.contiguous()
-            )
-            needed = ctx.needs_input_grad
-            d_mu = (grads[3] * kv).sum(-1) if needed[4] else None  # S exp(mu) is the state
-            return (
-                *(g if needed[i] else None for i, g in enumerate(grads)),
-                d_mu,
-                None,  # chunk_size
-            )
+@torch.library.custom_op(f"{NAMESPACE}::causal_backward", mutates_args=(), device_types="cpu")
+def causal_backward(
+    log_phi_q: Tensor,
+    log_phi_k: Tensor,
+    values_aug: Tensor,
+    kv: Tensor,
+    log_shift: Tensor,
+    chunk_size: int,
+    d_outputs_aug: Tensor,
+    d_kv: Tensor,
+) -> Grads:
+    """``(d_log_phi_q, d_log_phi_k, d_values_aug, d_kv_in)``, stabilisers held constant."""
+    from linattn_numba import cpu
 
-    return CausalKernel.apply  # (lq, lk, va, kv, mu, chunk_size), positional
+    return cpu._torch_backward(
+        log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size, d_outputs_aug, d_kv
+    )
+
+
+def _on_gpu(name: str) -> Any:
+    """The CUDA implementation: ``linattn_numba.gpu.<name>``, imported (with numba-cuda)
+    when the first CUDA tensor arrives, so that registering needs neither."""
+
+    def kernel(*args: Any) -> Any:
+        from linattn_numba import gpu
+
+        return getattr(gpu, name)(*args)
+
+    return kernel
+
+
+causal_forward.register_kernel("cuda")(_on_gpu("_torch_forward"))
+causal_backward.register_kernel("cuda")(_on_gpu("_torch_backward"))
+
+
+# -- what torch.compile sees: shapes and dtypes only -----------------------------------
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 stays; everything else computes (and returns) float32, as the kernels do."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _fresh_like(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x.new_empty(x.shape, dtype=dtype)  # contiguous, like the kernels' results
+
+
+@causal_forward.register_fake
+def _fake_forward(lq: Tensor, lk: Tensor, va: Tensor, kv: Tensor, mu: Tensor, chunk: int) -> Any:
+    dtype = _compute_dtype(lq)
+    return _fresh_like(va, dtype), _fresh_like(kv, dtype), _fresh_like(mu, dtype)
+
+
+@causal_backward.register_fake
+def _fake_backward(lq: Tensor, lk: Tensor, va: Tensor, kv: Tensor, *rest: Any) -> Any:
+    dtype = _compute_dtype(lq)
+    return tuple(_fresh_like(x, dtype) for x in (lq, lk, va, kv))
+
+
+# -- autograd -------------------------------------------------------------------------
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    *tensors, chunk_size = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.chunk_size = chunk_size
+    ctx.mark_non_differentiable(output[2])  # the output log_shift: a stabiliser
+
+
+def _backward(
+    ctx: Any, d_out: Tensor, d_kv: Tensor, _d_log_shift: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    lq, lk, va, kv, mu = ctx.saved_tensors
+    grads = _CausalBackward.apply(lq, lk, va, kv, mu, ctx.chunk_size, d_out, d_kv)
+    needed = ctx.needs_input_grad
+    d_mu = (grads[3] * kv).sum(-1) if needed[4] else None  # S exp(mu) is the state
+    return (*(g if needed[i] else None for i, g in enumerate(grads)), d_mu, None)
+
+
+causal_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    pass
+
+
+def _no_double_backward(ctx: Any, *grads: Any) -> Any:
+    raise NotImplementedError(
+        "second derivatives through the linattn Numba kernel (linattn::causal_backward) "
+        "are not supported; pass backend='array_api' to linattn for the portable path"
+    )
+
+
+causal_backward.register_autograd(_no_double_backward, setup_context=_no_setup)
+
+
+# -- the same operators in the form torch.func accepts -------------------------------
+
+
+def _no_vmap(name: str) -> Any:
+    def rule(info: Any, in_dims: Any, *args: Any) -> Any:
+        raise NotImplementedError(
+            f"torch.func.vmap over linattn::{name} (the linattn Numba kernel) is not "
+            "supported yet; the kernel maps over leading batch axes itself, so call it on "
+            "the batched inputs without vmap, or pass backend='array_api' to linattn"
+        )
+
+    return rule
+
+
+def _for_torch_func(op: Any, setup_context: Any, backward: Any) -> Any:
+    """``op`` as an ``autograd.Function`` with ``setup_context``, ``backward`` and a vmap
+    rule that refuses: ``torch.func.grad`` and ``vjp`` reject the function that
+    ``register_autograd`` generates (it has no ``setup_context``), and accept this one,
+    which shares the formula.  (``torch.compile`` gets the operator itself.)"""
+    name = op._qualname.split("::")[-1]
+    return type(
+        f"_{name}",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(lambda *args: op(*args)),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "vmap": staticmethod(_no_vmap(name)),
+        },
+    )
+
+
+_Causal = _for_torch_func(causal_forward, _setup_context, _backward)
+_CausalBackward = _for_torch_func(causal_backward, _no_setup, _no_double_backward)
+causal_forward.register_vmap(_no_vmap("causal_forward"))
+causal_backward.register_vmap(_no_vmap("causal_backward"))

@@ -22,7 +22,7 @@ within 2 ulp of the C library's, with exact ``0``, ``inf`` and ``nan``).
 
 Entry points: :func:`numpy_forward` / :func:`numpy_backward` (the kernel contract
 of ``linattn_numba``), :func:`causal_kernel` (NumPy, or torch CPU tensors with
-autograd through ``_torch.autograd_kernel``) and :func:`favor_causal`, which also
+autograd through the custom operators of ``_torch``) and :func:`favor_causal`, which also
 computes the features and normalises chunk by chunk, so that no ``L x m`` array
 exists (what long sequences need).
 
@@ -789,9 +789,12 @@ def favor_causal(
 
 
 # -- torch ----------------------------------------------------------------------------
+# The kernels as torch custom operators live in ``linattn_numba._torch`` (imported when
+# the first torch tensor arrives); these are their CPU implementations.
 
 
 def _torch_forward(lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int) -> Any:
+    """:func:`numpy_forward` on NumPy views of CPU tensors; results are fresh tensors."""
     import torch
 
     lq, lk, va, kv, mu = (x.detach().numpy() for x in (lq, lk, va, kv, mu))
@@ -801,6 +804,7 @@ def _torch_forward(lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int)
 def _torch_backward(
     lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int, d_out: Any, d_kv: Any
 ) -> Any:
+    """:func:`numpy_backward` on NumPy views of CPU tensors; results are fresh tensors."""
     import torch
 
     lq, lk, va, kv, mu, d_out, d_kv = (
@@ -810,29 +814,11 @@ def _torch_backward(
     return tuple(torch.from_numpy(g) for g in grads)
 
 
-_TORCH_KERNEL: list[Callable[..., Any]] = []
-
-
 def _torch_kernel(lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int) -> Any:
-    import torch
+    """``torch.ops.linattn.causal_forward`` on CPU tensors (autograd and compile included)."""
+    from linattn_numba._torch import causal  # (registers the operators on first use)
 
-    tensors = (lq, lk, va, kv, mu)
-    names = ("log_phi_q", "log_phi_k", "values_aug", "kv", "log_shift")
-    for name, x in zip(names, tensors, strict=True):
-        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
-            raise TypeError(f"{name} must be a torch CPU tensor; got {_describe(x)}")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        if not _TORCH_KERNEL:
-            from linattn_numba._torch import autograd_kernel
-
-            _TORCH_KERNEL.append(autograd_kernel(_torch_forward, _torch_backward))
-        return _TORCH_KERNEL[0](lq, lk, va, kv, mu, chunk_size)
-    return _torch_forward(lq, lk, va, kv, mu, chunk_size)
-
-
-def _describe(x: Any) -> str:
-    device = getattr(x, "device", None)
-    return f"{type(x).__module__}.{type(x).__name__}" + (f" on {device}" if device else "")
+    return causal("cpu", lq, lk, va, kv, mu, chunk_size)
 
 
 def causal_kernel(library: str) -> Callable[..., Any]:

@@ -14,8 +14,10 @@ caller's library, and launches the kernels of :mod:`linattn_numba._gpu_kernels`
 * Everything is validated before any launch; a failed launch raises
   ``RuntimeError`` naming the kernel (asynchronous faults surface at the
   caller's next synchronisation, as for any CUDA library).
-* torch CUDA tensors that require grad go through
-  ``linattn_numba._torch.autograd_kernel(forward, backward)``.
+* torch CUDA tensors go through the custom operators of :mod:`linattn_numba._torch`
+  (``torch.ops.linattn.causal_forward`` / ``causal_backward``: autograd,
+  ``torch.compile``), whose CUDA implementations are :func:`forward` and
+  :func:`backward`.
 * Scratch memory: the state before every chunk, ``(B, L / C, m, d_v + 1)`` in
   the compute dtype (two such arrays in backward), about the size of one
   log-feature array at ``C = 64``; it is what makes every step but an
@@ -460,38 +462,29 @@ def backward(
 
 
 def _torch_forward(*args: Any) -> tuple[Any, Any, Any]:
+    """The CUDA implementation of ``torch.ops.linattn.causal_forward``."""
     return forward("torch", *args)
 
 
 def _torch_backward(*args: Any) -> tuple[Any, Any, Any, Any]:
+    """The CUDA implementation of ``torch.ops.linattn.causal_backward``."""
     return backward("torch", *args)
-
-
-@functools.cache
-def _torch_autograd() -> Callable[..., tuple[Any, Any, Any]]:
-    from linattn_numba._torch import autograd_kernel
-
-    return autograd_kernel(_torch_forward, _torch_backward)
 
 
 def _torch_kernel(
     lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int
 ) -> tuple[Any, Any, Any]:
-    import torch
+    """``torch.ops.linattn.causal_forward`` (autograd and ``torch.compile`` included)."""
+    from linattn_numba._torch import causal  # (registers the operators on first use)
 
-    wants_grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (lq, lk, va, kv)
-    )
-    if wants_grad:
-        return _torch_autograd()(lq, lk, va, kv, mu, chunk_size)
-    return forward("torch", lq, lk, va, kv, mu, chunk_size)
+    return causal("cuda", lq, lk, va, kv, mu, chunk_size)
 
 
 def causal_kernel(library: str) -> Callable[..., tuple[Any, Any, Any]]:
     """The contract's ``kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)``.
 
-    ``library`` is ``"cupy"`` or ``"torch"`` (CUDA tensors; those that require
-    grad go through ``linattn_numba._torch.autograd_kernel``), or ``"numpy"``
+    ``library`` is ``"cupy"`` or ``"torch"`` (CUDA tensors, through the custom
+    operator ``torch.ops.linattn.causal_forward``), or ``"numpy"``
     (host arrays copied to the device and back: for the simulator and tests).
 
     Examples
