@@ -4,6 +4,7 @@ The same functions run on NumPy, CuPy, PyTorch, JAX, Dask and array-api-strict
 arrays and return the caller's array type on the caller's device.
 """
 
+from linattn import _jax
 from linattn._dispatch import Plan, causal_plan
 from linattn.attention import favor_attention, linear_attention, softmax_attention
 from linattn.features import KINDS, FeatureMap
@@ -26,3 +27,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_jax.register_when_imported()

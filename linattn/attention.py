@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, overload
 
+import array_api_compat
 import numpy as np
 
 from linattn import _dispatch
@@ -471,9 +472,7 @@ def _check_state(
             "state was made by another feature map: expected one with fingerprint "
             f"{feature_map.fingerprint} (this call's feature_map), got {state.feature_map}"
         )
-    count = state.num_tokens
-    if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 0:
-        raise TypeError(f"state.num_tokens must be a non-negative integer; got {count!r}")
+    _check_num_tokens(state.num_tokens)
     m, width = feature_map.num_features, info.value_dim + 1
     if state.kv.ndim < 2 or tuple(state.kv.shape[-2:]) != (m, width):
         raise ValueError(
@@ -492,3 +491,30 @@ def _check_state(
             f"log_shift {state.log_shift.dtype}"
         )
     return broadcast_shapes({"inputs": info.batch_shape, "state": tuple(state.kv.shape[:-2])})
+
+
+def _check_num_tokens(count: Any) -> None:
+    """A non-negative integer, or a 0-d integer array (a JAX pytree leaf).
+
+    Its value is checked only where it is known: under tracing it is not.
+    """
+    if array_api_compat.is_array_api_obj(count):
+        xp = array_api_compat.array_namespace(count)
+        if count.ndim == 0 and xp.isdtype(count.dtype, "integral"):
+            if not _is_traced(count) and int(count) < 0:
+                raise TypeError(
+                    f"state.num_tokens must be a non-negative integer; got {int(count)}"
+                )
+            return
+    elif not isinstance(count, bool) and isinstance(count, int | np.integer) and count >= 0:
+        return
+    raise TypeError(f"state.num_tokens must be a non-negative integer; got {count!r}")
+
+
+def _is_traced(x: object) -> bool:
+    """True for a JAX tracer (a value known only when the traced function runs)."""
+    if not array_api_compat.is_jax_array(x):
+        return False
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
