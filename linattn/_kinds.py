@@ -66,13 +66,25 @@ class FeatureKind:
     overflow: float = math.nan
 
     def log_features(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        half_norm: Array | None,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array | None]:
         """``(log|phi|, sign or None)`` from the input (deterministic) or its projection."""
         raise NotImplementedError
 
     def vjp(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        d_log: Array,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array]:
         """Cotangents ``(d_proj, d_half_norm)`` (random kinds) or ``(dx, 0)`` (deterministic)."""
         raise NotImplementedError
@@ -87,37 +99,46 @@ class _Exponential(FeatureKind):
 
     antithetic: bool = False
 
-    def _slope(self, fm: FeatureMap) -> float:
-        return 1.0 if fm.oprf_a is None else math.sqrt(1.0 - 4.0 * fm.oprf_a)
-
     def log_features(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        half_norm: Array | None,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array | None]:
         assert proj is not None and half_norm is not None
-        offset = -0.5 * math.log(fm.num_features)
+        offset: Any = -0.5 * math.log(fm.num_features)
         if self.oprf:
-            # (1 - 4A)^(d/4) exp(A|w|^2 + B w^T x - |x|^2/2) is unbiased for B^2 = 1 - 4A.
-            assert fm.oprf_a is not None
-            proj = self._slope(fm) * proj
-            offset += 0.25 * fm.head_dim * math.log1p(-4.0 * fm.oprf_a)
+            # (1 - 4A)^(d/4) exp(A|w|^2 + B w^T x - |x|^2/2) is unbiased for B^2 = 1 - 4A;
+            # A is a float (a calibrated map) or a 0-d array (a call's own statistics).
+            proj = _slope(xp, oprf_a) * proj
+            offset = offset + 0.25 * fm.head_dim * _log1p(xp, -4.0 * oprf_a)
         if self.antithetic:
             proj = xp.concat([proj, -proj], axis=-1)
         log_phi = proj - half_norm + offset
         if self.oprf:
-            energy = fm.oprf_a * np.sum(fm.projection**2, axis=1)  # type: ignore[operator]
+            energy = np.sum(fm.projection**2, axis=1)  # type: ignore[operator]
             if self.antithetic:
                 energy = np.concatenate([energy, energy])
-            log_phi = log_phi + from_host(xp, energy, dtype=x.dtype, device=_device(x))
+            log_phi = log_phi + oprf_a * from_host(xp, energy, dtype=x.dtype, device=_device(x))
         return log_phi, None
 
     def vjp(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        d_log: Array,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array]:
         total = xp.sum(d_log, axis=-1, keepdims=True)
         if self.antithetic:
             half = d_log.shape[-1] // 2
             d_log = d_log[..., :half] - d_log[..., half:]
-        return self._slope(fm) * d_log, total
+        return (_slope(xp, oprf_a) * d_log if self.oprf else d_log), total
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +146,13 @@ class _Trigonometric(FeatureKind):
     """``[cos, sin](w^T x) exp(|x|^2 / 2) / sqrt(m / 2)``: signed random Fourier features."""
 
     def log_features(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        half_norm: Array | None,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array | None]:
         assert proj is not None and half_norm is not None
         trig = xp.concat([xp.cos(proj), xp.sin(proj)], axis=-1)
@@ -136,7 +163,13 @@ class _Trigonometric(FeatureKind):
         return log_size + half_norm - 0.5 * math.log(fm.num_features / 2), xp.sign(trig)
 
     def vjp(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        d_log: Array,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array]:
         assert proj is not None
         zero, one = constant(xp, 0.0, d_log), constant(xp, 1.0, d_log)
@@ -145,6 +178,17 @@ class _Trigonometric(FeatureKind):
         d_cos = xp.where(cos == 0, zero, -d_log[..., :half] * sin / xp.where(cos == 0, one, cos))
         d_sin = xp.where(sin == 0, zero, d_log[..., half:] * cos / xp.where(sin == 0, one, sin))
         return d_cos + d_sin, -xp.sum(d_log, axis=-1, keepdims=True)
+
+
+def _slope(xp: Namespace, oprf_a: Any) -> Any:
+    """OPRF's ``B = sqrt(1 - 4A)``, for a float or a 0-d array ``A``."""
+    if isinstance(oprf_a, float):
+        return math.sqrt(1.0 - 4.0 * oprf_a)
+    return xp.sqrt(1.0 - 4.0 * oprf_a)
+
+
+def _log1p(xp: Namespace, value: Any) -> Any:
+    return math.log1p(value) if isinstance(value, float) else xp.log1p(value)
 
 
 def _log_relu(xp: Namespace, z: Array) -> Array:
@@ -161,13 +205,25 @@ class _RandomReLU(FeatureKind):
     """``relu(w^T x) + 1e-3``: Performer's "generalized" kernel, not softmax."""
 
     def log_features(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        half_norm: Array | None,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array | None]:
         assert proj is not None
         return _log_relu(xp, proj), None
 
     def vjp(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        d_log: Array,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array]:
         assert proj is not None
         return _log_relu_vjp(xp, proj, d_log), constant(xp, 0.0, d_log)
@@ -178,12 +234,24 @@ class _ReLU(FeatureKind):
     """``relu(x) + 1e-3`` (deterministic)."""
 
     def log_features(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        half_norm: Array | None,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array | None]:
         return _log_relu(xp, x), None
 
     def vjp(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        d_log: Array,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array]:
         return _log_relu_vjp(xp, x, d_log), constant(xp, 0.0, d_log)
 
@@ -193,13 +261,25 @@ class _ELU(FeatureKind):
     """``elu(x) + 1``: ``log1p(x)`` for ``x > 0``, ``x`` otherwise (deterministic)."""
 
     def log_features(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, half_norm: Array | None
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        half_norm: Array | None,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array | None]:
         zero = xp.zeros_like(x)
         return xp.where(x > 0, xp.log1p(xp.maximum(x, zero)), xp.minimum(x, zero)), None
 
     def vjp(
-        self, xp: Namespace, fm: FeatureMap, x: Array, proj: Array | None, d_log: Array
+        self,
+        xp: Namespace,
+        fm: FeatureMap,
+        x: Array,
+        proj: Array | None,
+        d_log: Array,
+        oprf_a: Any = None,
     ) -> tuple[Array, Array]:
         zero, one = constant(xp, 0.0, d_log), constant(xp, 1.0, d_log)
         return xp.where(x > 0, d_log / (one + xp.where(x > 0, x, zero)), d_log), zero

@@ -27,6 +27,7 @@ __all__ = [
     "library_name",
     "namespace_of",
     "safe_shift",
+    "stop_gradient",
     "to_host",
 ]
 
@@ -156,3 +157,14 @@ def to_host(x: Array) -> np.ndarray:
         # Libraries that refuse an implicit host copy (array-api-strict off its
         # default device) still speak DLPack.
         return np.from_dlpack(x).copy()
+
+
+def stop_gradient(xp: Namespace, x: Array) -> Array:
+    """``x`` as a constant for automatic differentiation (JAX and torch; else ``x``)."""
+    if array_api_compat.is_jax_namespace(xp):
+        import jax
+
+        return jax.lax.stop_gradient(x)
+    if array_api_compat.is_torch_namespace(xp):
+        return x.detach()
+    return x

@@ -17,6 +17,7 @@ from linattn import causal as causal_path
 from linattn._checks import check_attention_inputs, check_chunk_size, check_scale
 from linattn._dispatch import Backend
 from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, from_host
+from linattn.calibration import Statistics, per_call_statistics
 from linattn.features import FeatureMap, Kind
 from linattn.state import LinearAttentionState, empty_state
 
@@ -227,15 +228,7 @@ def linear_attention(
         batch = _check_state(state, feature_map, info, work)
     m = feature_map.num_features
 
-    if feature_map.needs_calibration:
-        if causal:
-            raise ValueError(
-                f"causal attention needs the {feature_map.kind!r} feature map's query/key "
-                "statistics fixed in advance (statistics over the whole sequence would let "
-                "later tokens change earlier outputs): expected a map from "
-                "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
-            )
-        feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
+    statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
     lk = info.key_length
     if state is None:
         like = xp.zeros((0,), dtype=work, device=info.device)
@@ -250,9 +243,13 @@ def linear_attention(
             q, k, v, feature_map, key_mask, kv, log_shift, chunk_size=chunk_size
         )
     else:
-        normalised, kv, log_shift = _features_then_attention(
-            q, k, v, feature_map, info, batch, key_mask, kv, log_shift, causal, chunk_size, plan
+        operands = attention_operands(
+            q, k, v, feature_map, info, batch, key_mask, work, statistics
         )
+        outputs_aug, kv, log_shift = attend(
+            xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, plan=plan
+        )
+        normalised = causal_path.normalise(xp, outputs_aug)
     out = xp.astype(normalised, info.dtype, copy=False)  # no second output-sized copy
     if not return_state:
         return out
@@ -271,6 +268,7 @@ def attention_operands(
     batch: tuple[int, ...],
     key_mask: Array | None,
     work: Any,
+    statistics: Statistics | None = None,
 ) -> tuple[Array, Array | None, Array, Array | None, Array]:
     """What the attention algorithms take, broadcast to ``batch``.
 
@@ -279,8 +277,8 @@ def attention_operands(
     """
     xp = info.xp
     m = feature_map.num_features
-    log_phi_q, sign_q = feature_map.signed_log_features(q, role="query")
-    log_phi_k, sign_k = feature_map.signed_log_features(k, role="key")
+    log_phi_q, sign_q = feature_map.signed_log_features(q, role="query", statistics=statistics)
+    log_phi_k, sign_k = feature_map.signed_log_features(k, role="key", statistics=statistics)
     if key_mask is not None:
         log_phi_k = xp.where(key_mask[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
     values_aug = xp.astype(v, work)
@@ -299,6 +297,42 @@ def attention_operands(
     )
 
 
+def call_statistics(
+    xp: Namespace,
+    feature_map: FeatureMap,
+    q: Array,
+    k: Array,
+    key_mask: Array | None,
+    *,
+    causal: bool,
+) -> Statistics | None:
+    """The statistics an uncalibrated map needs, from this call's queries and keys.
+
+    Computed on the caller's device and held constant (``stop_gradient``), so they work
+    under ``jax.jit`` and give the gradients of fixed statistics; never stored in the map.
+    Causal attention refuses: statistics over the sequence would let later tokens change
+    earlier outputs.
+    """
+    if not feature_map.needs_calibration:
+        return None
+    if causal:
+        raise ValueError(
+            f"causal attention needs the {feature_map.kind!r} feature map's query/key "
+            "statistics fixed in advance (statistics over the whole sequence would let "
+            "later tokens change earlier outputs): expected a map from "
+            "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
+        )
+    root = math.sqrt(feature_map.scale)
+    return per_call_statistics(
+        xp,
+        q * root,
+        k * root,
+        key_mask,
+        rebalance=feature_map.rebalance_scales is None and feature_map.rebalance,
+        oprf=feature_map.oprf_a is None and feature_map._spec.oprf,
+    )
+
+
 def drop_masked_keys(
     xp: Namespace, k: Array, v: Array, key_mask: Array | None
 ) -> tuple[Array, Array]:
@@ -312,28 +346,6 @@ def drop_masked_keys(
         return k, v
     keep = key_mask[..., None]
     return xp.where(keep, k, constant(xp, 0.0, k)), xp.where(keep, v, constant(xp, 0.0, v))
-
-
-def _features_then_attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    feature_map: FeatureMap,
-    info: Any,
-    batch: tuple[int, ...],
-    key_mask: Array | None,
-    kv: Array,
-    log_shift: Array,
-    causal: bool,
-    chunk_size: int,
-    plan: _dispatch.Plan,
-) -> tuple[Array, Array, Array]:
-    """Log-features in the array API, then the kernel or array-API attention; normalised."""
-    operands = attention_operands(q, k, v, feature_map, info, batch, key_mask, kv.dtype)
-    outputs_aug, kv, log_shift = attend(
-        info.xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, plan=plan
-    )
-    return causal_path.normalise(info.xp, outputs_aug), kv, log_shift
 
 
 def attend(

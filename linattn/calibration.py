@@ -4,20 +4,34 @@
 * SADERF rebalancing: the diagonal ``Psi`` that balances per-coordinate query and
   key energy while keeping every ``x^T y``.
 
-Statistics are O(L d) reductions computed in the caller's namespace and brought to
-the host as a handful of floats, so they act as constants for gradients.
+The formulas are written once, in the array API (:func:`statistics_from_moments`):
+:meth:`linattn.FeatureMap.calibrate` evaluates them on the host after one transfer of
+the moments (one compute on Dask), and a call to :func:`linattn.linear_attention` with
+an uncalibrated map evaluates them on the caller's device, under ``stop_gradient``, so
+that they work under ``jax.jit`` and act as constants for gradients either way.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import array_api_compat
 import numpy as np
 
-from linattn._xp import Array, Namespace, constant, to_host
+from linattn._xp import Array, Namespace, constant, stop_gradient, to_host
 
-__all__ = ["QueryKeyStatistics", "oprf_optimal_a", "query_key_statistics", "rebalance_scales"]
+__all__ = [
+    "QueryKeyStatistics",
+    "Statistics",
+    "moments",
+    "oprf_optimal_a",
+    "per_call_statistics",
+    "query_key_statistics",
+    "rebalance_scales",
+    "statistics_from_moments",
+]
 
 
 @dataclass(frozen=True)
@@ -32,24 +46,31 @@ class QueryKeyStatistics:
     @property
     def rho(self) -> float:
         """``E|x + y|^2 / d`` over independent query-key pairs."""
-        d = self.query_mean.shape[0]
-        total = (
-            self.query_energy.sum()
-            + self.key_energy.sum()
-            + 2.0 * float(self.query_mean @ self.key_mean)
-        )
-        return float(total) / d
+        return float(_rho(np, *self._arrays()))
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.query_mean, self.key_mean, self.query_energy, self.key_energy
 
 
-def query_key_statistics(
-    xp: Namespace, x: Array, y: Array, key_mask: Array | None = None
-) -> QueryKeyStatistics:
-    """Moments of ``x`` (``(..., L_q, d)``) and ``y`` (``(..., L_k, d)``); masked keys excluded."""
+@dataclass(frozen=True)
+class Statistics:
+    """Per-call statistics as arrays of the caller's namespace (never stored in a map).
+
+    ``oprf_a`` is 0-d, ``rebalance_scales`` has shape ``(d,)``; either may be ``None``.
+    """
+
+    oprf_a: Any = None
+    rebalance_scales: Any = None
+
+
+def moments(xp: Namespace, x: Array, y: Array, key_mask: Array | None = None) -> Array:
+    """``[E x, E y, E x^2, E y^2]`` per coordinate, shape ``(4, d)``, masked keys excluded."""
     d = x.shape[-1]
     xs = xp.reshape(x, (-1, d))
+    query = [xp.mean(xs, axis=0), xp.mean(xs * xs, axis=0)]
     if key_mask is None:
         ys = xp.reshape(y, (-1, d))
-        weights = None
+        key = [xp.mean(ys, axis=0), xp.mean(ys * ys, axis=0)]
     else:
         full = xp.broadcast_to(key_mask[..., None], (*key_mask.shape, d))
         shape = np.broadcast_shapes(tuple(y.shape), tuple(full.shape))
@@ -57,17 +78,53 @@ def query_key_statistics(
         # Select, never multiply: a masked key may hold NaN or inf (0 * inf is NaN).
         ys = xp.where(keep, xp.reshape(xp.broadcast_to(y, shape), (-1, d)), constant(xp, 0.0, y))
         weights = xp.astype(keep, y.dtype)
-    q_mean = to_host(xp.mean(xs, axis=0))
-    q_energy = to_host(xp.mean(xs * xs, axis=0))
-    if weights is None:
-        k_mean = to_host(xp.mean(ys, axis=0))
-        k_energy = to_host(xp.mean(ys * ys, axis=0))
-    else:
-        count = np.maximum(to_host(xp.sum(weights, axis=0)), 1.0)
-        k_mean = to_host(xp.sum(ys * weights, axis=0)) / count
-        k_energy = to_host(xp.sum(ys * ys * weights, axis=0)) / count
-    as64 = [np.asarray(a, dtype=np.float64) for a in (q_mean, k_mean, q_energy, k_energy)]
-    return QueryKeyStatistics(*as64)
+        count = xp.maximum(xp.sum(weights, axis=0), constant(xp, 1.0, y))
+        key = [xp.sum(ys * weights, axis=0) / count, xp.sum(ys * ys * weights, axis=0) / count]
+    return xp.stack([query[0], key[0], query[1], key[1]])
+
+
+def query_key_statistics(
+    xp: Namespace, x: Array, y: Array, key_mask: Array | None = None
+) -> QueryKeyStatistics:
+    """Moments of ``x`` (``(..., L_q, d)``) and ``y`` (``(..., L_k, d)``) on the host.
+
+    One transfer (one compute for Dask inputs).
+    """
+    host = np.asarray(to_host(moments(xp, x, y, key_mask)), dtype=np.float64)
+    return QueryKeyStatistics(*host)
+
+
+def statistics_from_moments(
+    xp: Namespace, stacked: Array, *, rebalance: bool, oprf: bool
+) -> tuple[Array | None, Array | None]:
+    """``(Psi, A*)`` from ``[E x, E y, E x^2, E y^2]`` (``None`` for what is not asked).
+
+    ``Psi`` rebalances first; ``A*`` then uses the rebalanced moments.
+    """
+    query_mean, key_mean, query_energy, key_energy = (stacked[i, ...] for i in range(4))
+    psi = None
+    if rebalance:
+        ok = xp.logical_and(query_energy > 0, key_energy > 0)
+        one = xp.ones_like(query_energy)
+        ratio = xp.where(ok, key_energy, one) / xp.where(ok, query_energy, one)
+        psi = xp.where(ok, ratio**0.25, one)
+        query_mean, key_mean = query_mean * psi, key_mean / psi
+        query_energy, key_energy = query_energy * psi**2, key_energy / psi**2
+    a = None
+    if oprf:
+        rho = _rho(xp, query_mean, key_mean, query_energy, key_energy)
+        a = (1.0 - 2.0 * rho - xp.sqrt((2.0 * rho + 1.0) ** 2 + 8.0 * rho)) / 16.0
+    return psi, a
+
+
+def per_call_statistics(
+    xp: Namespace, x: Array, y: Array, key_mask: Array | None, *, rebalance: bool, oprf: bool
+) -> Statistics:
+    """The statistics a call computes for itself, on the device, held constant."""
+    psi, a = statistics_from_moments(
+        xp, stop_gradient(xp, moments(xp, x, y, key_mask)), rebalance=rebalance, oprf=oprf
+    )
+    return Statistics(oprf_a=a, rebalance_scales=psi)
 
 
 def oprf_optimal_a(rho: float) -> float:
@@ -91,7 +148,16 @@ def rebalance_scales(stats: QueryKeyStatistics) -> np.ndarray:
     Queries are multiplied by ``Psi`` and keys divided by it: ``x^T y`` is unchanged
     and ``E|Psi x + Psi^-1 y|^2``, which drives the variance, is smallest.
     """
-    q, k = stats.query_energy, stats.key_energy
-    ok = (q > 0) & (k > 0)
-    ratio = np.divide(k, q, out=np.ones_like(q), where=ok)
-    return np.where(ok, ratio**0.25, 1.0)
+    psi, _ = statistics_from_moments(
+        array_api_compat.array_namespace(stats.query_mean),
+        np.stack(stats._arrays()),
+        rebalance=True,
+        oprf=False,
+    )
+    return np.asarray(psi)
+
+
+def _rho(xp: Namespace, query_mean: Any, key_mean: Any, query_energy: Any, key_energy: Any) -> Any:
+    d = query_mean.shape[0]
+    total = xp.sum(query_energy) + xp.sum(key_energy) + 2.0 * xp.sum(query_mean * key_mean)
+    return total / d

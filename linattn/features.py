@@ -29,6 +29,7 @@ from linattn._xp import (
     namespace_of,
     to_host,
 )
+from linattn.calibration import Statistics
 from linattn.projections import MAX_PROJECTION_SIZE, Norms, gaussian_projection
 
 __all__ = ["KINDS", "FeatureMap"]
@@ -403,7 +404,7 @@ class FeatureMap:
         >>> fm.needs_calibration, fm.oprf_a < 0
         (False, True)
         """
-        from linattn.calibration import oprf_optimal_a, query_key_statistics, rebalance_scales
+        from linattn.calibration import query_key_statistics, statistics_from_moments
 
         xp = namespace_of({"q": q, "k": k, "key_mask": key_mask}, optional=("key_mask",))
         for name, x in (("q", q), ("k", k)):
@@ -413,6 +414,7 @@ class FeatureMap:
                     f"{name} must have shape (..., L, {self.head_dim}) with L >= 1; got "
                     f"{tuple(x.shape)}"
                 )
+            _refuse_traced(name, x)
         if key_mask is not None:
             check_key_mask(xp, key_mask, k.shape[-2])
             key_mask_batch_shape(key_mask, k)
@@ -420,31 +422,30 @@ class FeatureMap:
         stats = query_key_statistics(
             xp, xp.astype(q, xp.float64) * root, xp.astype(k, xp.float64) * root, key_mask
         )
-        moments = (stats.query_mean, stats.key_mean, stats.query_energy, stats.key_energy)
-        if not all(np.all(np.isfinite(x)) for x in moments):
+        moments = np.stack(stats._arrays())
+        if not np.all(np.isfinite(moments)):
             raise ValueError(
                 "calibrate needs finite q and (unmasked) k: their mean or energy came out "
                 "non-finite (NaN, inf or overflowing values in the inputs)"
             )
+        psi, a = statistics_from_moments(
+            array_api_compat.array_namespace(moments),
+            moments,
+            rebalance=self.rebalance,
+            oprf=self._spec.oprf,
+        )
         changes: dict[str, Any] = {}
-        if self.rebalance:
-            psi = rebalance_scales(stats)
+        if psi is not None:
             changes["rebalance_scales"] = psi
-            stats = type(stats)(
-                stats.query_mean * psi,
-                stats.key_mean / psi,
-                stats.query_energy * psi**2,
-                stats.key_energy / psi**2,
-            )
-        if self._spec.oprf:
-            changes["oprf_a"] = oprf_optimal_a(stats.rho)
-            if changes["oprf_a"] < MIN_OPRF_A:
+        if a is not None:
+            if a < MIN_OPRF_A:
                 raise ValueError(
                     f"calibrate needs q and k of moderate size: their statistics give "
-                    f"rho = E|x + y|^2 / d = {stats.rho:.3g} (scaled inputs), above "
-                    f"{-4 * MIN_OPRF_A:.0e}, where softmax is a hard maximum and no random "
+                    f"A* = {float(a):.3g}, below {MIN_OPRF_A:g} (rho = E|x + y|^2 / d above "
+                    f"{-4 * MIN_OPRF_A:.0e}), where softmax is a hard maximum and no random "
                     "feature estimate is meaningful"
                 )
+            changes["oprf_a"] = float(a)
         return self._replace(**changes)
 
     def with_statistics(
@@ -530,7 +531,7 @@ class FeatureMap:
         return phi if sign is None else sign * phi
 
     def signed_log_features(
-        self, x: Array, /, *, role: Role | None = None
+        self, x: Array, /, *, role: Role | None = None, statistics: Statistics | None = None
     ) -> tuple[Array, Array | None]:
         """``(log|phi(x)|, sign(phi(x)))``; the sign is ``None`` for positive kinds.
 
@@ -538,7 +539,9 @@ class FeatureMap:
         stabilisation happens) and, for trigonometric features only, their signs.
         ``role`` says whether ``x`` holds queries or keys; rebalanced maps need it.
         An input whose squared norm overflows gets log-features ``-inf`` (its true
-        features lie below the float range), never NaN.
+        features lie below the float range), never NaN.  ``statistics`` (arrays of
+        ``x``'s namespace, from :func:`linattn.calibration.per_call_statistics`) stand in
+        for a map's missing ``oprf_a`` and rebalancing scales.
 
         Examples
         --------
@@ -549,17 +552,26 @@ class FeatureMap:
         >>> log_abs.shape, sorted(set(sign.ravel().tolist())) <= [-1.0, 1.0]
         ((2, 8), True)
         """
-        xp, x = self._check_input(x, role)
+        xp, x = self._check_input(x, role, statistics)
+        oprf_a, psi = self._statistics(statistics)
         if not self._spec.random:
-            return self._spec.log_features(xp, self, x, None, None)
-        x, overflow = self._without_overflow(xp, x, role)
-        x = x * self._input_factor(xp, x, role)
+            return self._spec.log_features(xp, self, x, None, None, oprf_a)
+        x, overflow = self._without_overflow(xp, x, role, psi)
+        x = x * self._input_factor(xp, x, role, psi)
         proj = xp.matmul(x, xp.matrix_transpose(self._projection_like(xp, x)))
         half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        log_phi, sign = self._spec.log_features(xp, self, x, proj, half_norm)
+        log_phi, sign = self._spec.log_features(xp, self, x, proj, half_norm, oprf_a)
         return xp.where(overflow, constant(xp, self._spec.overflow, log_phi), log_phi), sign
 
-    def log_features_vjp(self, x: Array, d_log: Array, /, *, role: Role | None = None) -> Array:
+    def log_features_vjp(
+        self,
+        x: Array,
+        d_log: Array,
+        /,
+        *,
+        role: Role | None = None,
+        statistics: Statistics | None = None,
+    ) -> Array:
         """``dx`` from the cotangent ``d_log`` of :meth:`signed_log_features` (magnitudes).
 
         The projection, OPRF's ``A`` and the rebalancing ``Psi`` are constants
@@ -576,20 +588,33 @@ class FeatureMap:
         >>> bool(abs(slope - fm.log_features_vjp(x, d)[0, 2]) < 1e-5)
         True
         """
-        xp, x = self._check_input(x, role)
+        xp, x = self._check_input(x, role, statistics)
+        oprf_a, psi = self._statistics(statistics)
         x = xp.astype(x, d_log.dtype, copy=False)
         if not self._spec.random:
-            return self._spec.vjp(xp, self, x, None, d_log)[0]
-        x, overflow = self._without_overflow(xp, x, role)
-        factor = self._input_factor(xp, x, role)
+            return self._spec.vjp(xp, self, x, None, d_log, oprf_a)[0]
+        x, overflow = self._without_overflow(xp, x, role, psi)
+        factor = self._input_factor(xp, x, role, psi)
         x = x * factor
         projection = self._projection_like(xp, x)
         proj = xp.matmul(x, xp.matrix_transpose(projection))
-        d_proj, d_half_norm = self._spec.vjp(xp, self, x, proj, d_log)
+        d_proj, d_half_norm = self._spec.vjp(xp, self, x, proj, d_log, oprf_a)
         dx = factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
         return xp.where(overflow, constant(xp, 0.0, dx), dx)  # constant features there
 
-    def _check_input(self, x: Array, role: object) -> tuple[Any, Array]:
+    def _statistics(self, statistics: Statistics | None) -> tuple[Any, Any]:
+        """``(A, Psi)``: the map's own, or a call's (arrays) where the map has none."""
+        oprf_a, psi = self.oprf_a, self._rebalance_scales
+        if statistics is not None:
+            if oprf_a is None:
+                oprf_a = statistics.oprf_a
+            if psi is None and self.rebalance:
+                psi = statistics.rebalance_scales
+        return oprf_a, psi
+
+    def _check_input(
+        self, x: Array, role: object, statistics: Statistics | None = None
+    ) -> tuple[Any, Array]:
         """The namespace and ``x`` in the compute dtype, after every check on ``x``."""
         xp = namespace_of({"x": x})
         dtype = float_dtype(xp, "x", x)
@@ -600,41 +625,39 @@ class FeatureMap:
             )
         if role not in (None, "query", "key"):
             raise ValueError(f"role must be 'query', 'key' or None; got {role!r}")
-        if self.needs_calibration:
+        oprf_a, psi = self._statistics(statistics)
+        if (self._spec.oprf and oprf_a is None) or (self.rebalance and psi is None):
             raise ValueError(
                 f"this {self.kind!r} feature map{' with rebalance=True' if self.rebalance else ''}"
                 " needs query/key statistics: expected a map from calibrate(q, k) or "
                 "with_statistics(...), got one without them"
             )
-        if self._rebalance_scales is not None and role is None:
+        if psi is not None and role is None:
             raise ValueError(
                 "role must be 'query' or 'key' for a rebalanced feature map; got None"
             )
         return xp, xp.astype(x, compute_dtype(xp, dtype), copy=False)
 
-    def _input_factor(self, xp: Any, x: Array, role: object) -> Any:
+    def _input_factor(self, xp: Any, x: Array, role: object, psi: Any) -> Any:
         """``sqrt(scale)``, times ``Psi`` for rebalanced queries or ``1 / Psi`` for keys."""
         factor: Any = math.sqrt(self.scale)
-        if self._rebalance_scales is not None:
-            psi = from_host(
-                xp, self._rebalance_scales, dtype=x.dtype, device=array_api_compat.device(x)
-            )
+        if psi is not None:
+            psi = _like(xp, psi, x)
             factor = factor * (psi if role == "query" else 1.0 / psi)
         return factor
 
-    def _without_overflow(self, xp: Any, x: Array, role: object) -> tuple[Array, Array]:
+    def _without_overflow(self, xp: Any, x: Array, role: object, psi: Any) -> tuple[Array, Array]:
         """``x`` with zeros for rows too large to project, and where those rows are.
 
         A row whose largest scaled entry exceeds :func:`overflow_limit` could overflow
         ``|x|^2`` (and ``inf - inf`` gives NaN): its log-features are set to the kind's
         ``overflow`` value instead of being computed, with no floating-point warning.
         """
-        largest_factor = math.sqrt(self.scale)
-        if self._rebalance_scales is not None:
-            psi = self._rebalance_scales
-            largest_factor *= float(np.max(psi if role == "query" else 1.0 / psi))
-        limit = overflow_limit(xp, x.dtype, self.head_dim) / largest_factor
-        overflow = xp.max(xp.abs(x), axis=-1, keepdims=True) > limit
+        largest = xp.max(xp.abs(x), axis=-1, keepdims=True) * math.sqrt(self.scale)
+        if psi is not None:
+            psi = _like(xp, psi, x)
+            largest = largest * xp.max(psi if role == "query" else 1.0 / psi)
+        overflow = largest > overflow_limit(xp, x.dtype, self.head_dim)
         return xp.where(overflow, constant(xp, 0.0, x), x), overflow
 
     def _projection_like(self, xp: Any, x: Array) -> Array:
@@ -651,6 +674,27 @@ def overflow_limit(xp: Any, dtype: Any, head_dim: int) -> float:
     every float type), so they are set to ``-inf``.
     """
     return math.sqrt(float(xp.finfo(dtype).max) / (2 * head_dim))
+
+
+def _like(xp: Any, values: Any, x: Array) -> Array:
+    """Host (NumPy) statistics moved to ``x``'s namespace; device ones cast to its dtype."""
+    if isinstance(values, np.ndarray):
+        return from_host(xp, values, dtype=x.dtype, device=array_api_compat.device(x))
+    return xp.astype(values, x.dtype)
+
+
+def _refuse_traced(name: str, x: Array) -> None:
+    """``calibrate`` fixes statistics on the host: a traced array has no value yet."""
+    if array_api_compat.is_jax_array(x):
+        import jax
+
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"calibrate computes statistics on the host, so {name} must be a concrete "
+                "array; got a JAX tracer (inside jit or grad). Calibrate outside the "
+                "traced function, or pass the uncalibrated map to linear_attention, which "
+                "computes per-call statistics on the device (bidirectional attention)"
+            )
 
 
 def _refuse_assignment(self: FeatureMap, name: str, value: object) -> None:

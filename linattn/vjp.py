@@ -20,7 +20,7 @@ from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
 from linattn._xp import Array, Namespace, compute_dtype, constant, float_dtype
 from linattn._xp import safe_shift as _safe
-from linattn.attention import attend, attention_operands, drop_masked_keys
+from linattn.attention import attend, attention_operands, call_statistics, drop_masked_keys
 from linattn.causal import ChunkBlocks, chunk_shifts, pair_products, query_factors
 from linattn.features import FeatureMap
 from linattn.scan import inclusive_scan
@@ -106,17 +106,10 @@ def linear_attention_vjp(
     q, k, v = (xp.astype(x, work, copy=False) for x in inputs)  # one compute dtype
     k, v = drop_masked_keys(xp, k, v, key_mask)
     m = feature_map.num_features
-    if feature_map.needs_calibration:
-        if causal:
-            raise ValueError(
-                f"causal attention needs the {feature_map.kind!r} feature map's query/key "
-                "statistics fixed in advance: expected a map from feature_map.calibrate(q, k) "
-                "or with_statistics(...), got an uncalibrated one"
-            )
-        # The same statistics linear_attention uses; constants for gradients there too.
-        feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
+    # The same statistics linear_attention uses; constants for gradients there too.
+    statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
     log_phi_q, sign_q, log_phi_k, sign_k, values_aug = attention_operands(
-        q, k, v, feature_map, info, batch, key_mask, work
+        q, k, v, feature_map, info, batch, key_mask, work, statistics
     )
     kv, log_shift = empty_state(xp, batch, m, dv, log_phi_q)
 
@@ -152,8 +145,8 @@ def linear_attention_vjp(
             d_lq, d_lk, d_va = causal_vjp(
                 xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, d_outputs_aug, chunk_size
             )
-    dq = feature_map.log_features_vjp(q, d_lq, role="query")
-    dk = feature_map.log_features_vjp(k, d_lk, role="key")
+    dq = feature_map.log_features_vjp(q, d_lq, role="query", statistics=statistics)
+    dk = feature_map.log_features_vjp(k, d_lk, role="key", statistics=statistics)
     d_values = d_va[..., :dv]
     q, k, v = inputs  # gradients in the callers' dtypes
     return (

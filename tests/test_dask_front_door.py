@@ -320,9 +320,6 @@ def test_linear_attention_on_dask_keeps_the_sequence_chunks():
     np.testing.assert_allclose(out.compute(scheduler="sync"), expected, **FLOAT64)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="FeatureMap.calibrate computes each moment of Dask inputs separately"
-)
 def test_calibrate_computes_dask_inputs_once():
     arrays = _lazy_all(_inputs())
     counting = _CountingScheduler()

@@ -82,3 +82,30 @@ def test_pytrees_are_registered_whatever_the_import_order() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(1, 8)"
+
+
+def test_favor_attention_default_estimator_under_jit_and_grad() -> None:
+    """The default (calibrated) estimator computes its statistics on the device."""
+    q, k, v = _qkv(16, seed=3)
+    eager = la.favor_attention(q, k, v, num_features=32)
+    jitted = jax.jit(lambda q, k, v: la.favor_attention(q, k, v, num_features=32))(q, k, v)
+    np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-6)
+    # Statistics are constants for gradients: the gradient of a map calibrated on the
+    # same inputs in advance, whose statistics are fixed numbers.
+    fixed = la.FeatureMap(8, 32, kind="hyperbolic_oprf", rebalance=True).calibrate(q, k)
+
+    def loss(q, fm=None):
+        if fm is None:
+            return jnp.sum(la.favor_attention(q, k, v, num_features=32) ** 2)
+        return jnp.sum(la.linear_attention(q, k, v, fm) ** 2)
+
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(loss))(q), jax.grad(loss)(q, fixed), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_calibrate_refuses_traced_arrays() -> None:
+    fm = la.FeatureMap(8, 16, kind="oprf")
+    q, k, _ = _qkv(4)
+    with pytest.raises(TypeError, match="calibrate computes statistics on the host"):
+        jax.jit(lambda q, k: fm.calibrate(q, k).oprf_a)(q, k)
