@@ -87,14 +87,19 @@ def dask(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def kernels(session: nox.Session) -> None:
     """The Numba CPU kernels against the array-API path (NumPy and torch CPU)."""
-    _test(session, "numpy,numpy_readonly,torch", TORCH, extras="numba")
+    # The compile cache is opt-in (LINATTN_NUMBA_CACHE=1): on here so that reruns stay
+    # fast; the threading tests clear it in their subprocesses to test the default.
+    cache = {"LINATTN_NUMBA_CACHE": "1"}
+    _test(session, "numpy,numpy_readonly,torch", TORCH, extras="numba", env=cache)
     session.run(
         "pytest",
         "--doctest-modules",
         "linattn_numba/cpu.py",
         "linattn_numba/_torch.py",
+        "linattn_numba/_machinery.py",
         "-p",
         "no:cacheprovider",
+        env=cache,
     )
 
 

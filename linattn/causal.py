@@ -16,7 +16,9 @@ chunk uses shifts that factor through the matrix products:
   ``t`` (floored at 0 once the state holds a key).
 
 Here ``mu`` is the state's per-feature maximum *before* the chunk, which depends
-on earlier chunks only.
+on earlier chunks only.  :func:`causal` computes it for every chunk at once, by a scan
+of the chunks' own states (:mod:`linattn.scan`), and then every chunk's outputs at
+once: one batched pass, no loop over the sequence.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 ``linear_attention_vjp`` returns ``(dq, dk, dv)`` for a cotangent of the normalised
 output.  Causal attention runs the compiled backward kernel where one serves the
-arrays (NumPy, positive features) and otherwise the chunked backward below, written
-in the array API with the same strategy as the kernel: states are recomputed
-forward from ``sqrt(N)`` chunk checkpoints (never rebuilt by subtraction,
-``docs/algorithm.md``, section 13) and ``dS`` runs as a reverse scan.  Bidirectional attention
+arrays (NumPy, positive features) and otherwise the batched backward below, written
+in the array API: the state before every chunk from the forward scan, their
+cotangents from a reverse scan, every chunk's gradients at once; no state is ever
+rebuilt by subtraction (``docs/algorithm.md``, section 13).  Bidirectional attention
 uses closed-form products.
 
 Every stabiliser (per-feature maxima, per-row and per-key shifts) is held constant:
