@@ -11,6 +11,7 @@ is imported lazily, here and nowhere else, so ``linattn`` imports without numba.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,10 +46,11 @@ Path = Literal["numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api"]
 #: The paths a plan can name (reported, not selectable).
 PATHS: tuple[Path, ...] = ("numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api")
 
-#: Tokens per pass of the batched chunk algorithm on eager CPU arrays: its temporaries
-#: (a few ``tokens x m`` arrays per head) then stay in cache; measured in
-#: ``benchmarks/test_causal_paths.py``.  GPUs and tracing frameworks take one pass.
-EAGER_CPU_TOKENS_PER_PASS = 4096
+#: Entries (batch x tokens x features) of one pass of the batched chunk algorithm on
+#: eager CPU arrays, so that its temporaries stay small: 2^21 is 1024 tokens for 8 heads
+#: and 256 features, the fastest of 1024 ... 16384 tokens measured at L = 16384
+#: (``benchmarks/test_causal_paths.py``).  GPUs and tracing frameworks take one pass.
+EAGER_CPU_PASS_ENTRIES = 2**21
 
 CausalResult = tuple[Array, Array, Array]
 
@@ -61,7 +63,7 @@ class Plan:
     ----------
     path : str
         One of :data:`PATHS`: ``"numba-cpu"`` / ``"numba-cuda"`` (compiled kernels),
-        ``"jax-scan"`` (batched chunks, :func:`jax.lax.associative_scan`),
+        ``"jax-scan"`` (batched chunks, :func:`jax.lax.scan`),
         ``"dask-scan"`` (:func:`linattn.distributed.dask_linear_attention`) or
         ``"array-api"`` (batched chunks, a log-depth scan in the array API).
     reason : str
@@ -140,7 +142,7 @@ def causal_plan(
         reason = "backend='array_api'" + (
             " ($LINATTN_BACKEND)" if backend is None and ENVIRONMENT_VARIABLE in os.environ else ""
         )
-        return _portable(x, reason)
+        return _portable(x, feature_map, reason)
     kernel, reason = kernel_for(x)
     if kernel is not None and feature_map is not None and not feature_map.is_positive:
         kernel, reason = None, "the kernels take positive features only"
@@ -150,7 +152,7 @@ def causal_plan(
                 f"backend='numba' cannot serve these arrays "
                 f"({type(x).__module__}.{type(x).__name__}): {reason}"
             )
-        return _portable(x, reason)
+        return _portable(x, feature_map, reason)
     on_gpu = _library(x) == "cupy" or getattr(getattr(x, "device", None), "type", "") == "cuda"
     return Plan(
         "numba-cuda" if on_gpu else "numba-cpu",
@@ -204,14 +206,14 @@ def kernel_status() -> dict[str, str]:
     return status
 
 
-def _portable(x: Array, reason: str) -> Plan:
+def _portable(x: Array, feature_map: FeatureMap | None, reason: str) -> Plan:
     """The batched chunk pass: the framework's scan on JAX, groups of chunks on eager CPUs."""
     if array_api_compat.is_jax_array(x):
-        return Plan("jax-scan", f"{reason}; JAX arrays: jax.lax.associative_scan")
-    return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x))
+        return Plan("jax-scan", f"{reason}; JAX arrays: jax.lax.scan")
+    return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x, feature_map))
 
 
-def _tokens_per_pass(x: Array) -> int | None:
+def _tokens_per_pass(x: Array, feature_map: FeatureMap | None) -> int | None:
     """Groups of tokens for eager CPU arrays; one pass on GPUs and while torch compiles."""
     library = _library(x)
     if library == "torch":
@@ -219,10 +221,11 @@ def _tokens_per_pass(x: Array) -> int | None:
 
         if torch.compiler.is_compiling() or x.device.type != "cpu":
             return None
-        return EAGER_CPU_TOKENS_PER_PASS
-    if library in ("numpy", "array_api_strict"):
-        return EAGER_CPU_TOKENS_PER_PASS
-    return None
+    elif library not in ("numpy", "array_api_strict"):
+        return None
+    batch = math.prod(int(n) for n in x.shape[:-2])
+    features = 256 if feature_map is None else feature_map.num_features
+    return max(1, EAGER_CPU_PASS_ENTRIES // max(1, batch * features))
 
 
 def _fused(x: Array, feature_map: FeatureMap | None) -> bool:

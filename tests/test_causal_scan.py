@@ -76,8 +76,8 @@ def test_array_api_calls_grow_with_log_length() -> None:
 
 
 @pytest.mark.needs("jax")
-def test_jaxpr_grows_with_log_length() -> None:
-    """A constant number of equations per doubling of L: the scan's levels, no loop."""
+def test_jaxpr_does_not_grow_with_length() -> None:
+    """The same jaxpr at every L: ``lax.scan`` over chunk states, no loop over tokens."""
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
     fm = la.FeatureMap(16, 32, seed=0)
@@ -93,8 +93,7 @@ def test_jaxpr_grows_with_log_length() -> None:
             len(jax.make_jaxpr(function)(jnp.zeros((2, 64 * 2**j, 16))).jaxpr.eqns)
             for j in (3, 4, 5, 6)
         ]
-        steps = np.diff(counts)
-        assert (steps == steps[0]).all() and steps[0] < 200, counts
+        assert len(set(counts)) == 1, counts
 
 
 def test_blocks_of_a_multiple_of_the_chunk_size_hold_the_state_width() -> None:
