@@ -615,6 +615,18 @@ def _fresh(x: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray
     return np.array(x, dtype=dtype, order="C", copy=True).reshape(shape)
 
 
+def _without_empty_rows(state: np.ndarray, log_shift: np.ndarray) -> np.ndarray:
+    """Zeros, in place, for the rows of a state whose shift is ``-inf``.
+
+    Such a row has seen no key, so it holds nothing whatever it stores (the array-API
+    scan and the CUDA kernels read it as zeros too); a gradient for it is likewise 0.
+    """
+    empty = log_shift == -np.inf
+    if empty.any():
+        state[empty] = 0
+    return state
+
+
 def numpy_forward(
     log_phi_q: np.ndarray,
     log_phi_k: np.ndarray,
@@ -639,8 +651,8 @@ def numpy_forward(
     sizes, dtype = _check(_contract.named(inputs), chunk_size)
     lq, lk = (_flat(x, sizes.flat("features")) for x in (log_phi_q, log_phi_k))
     va = _flat(values_aug, sizes.flat("values"))
-    state = _fresh(kv, sizes.flat("state"), dtype)
     mu = _fresh(log_shift, sizes.flat("shift"), dtype)
+    state = _without_empty_rows(_fresh(kv, sizes.flat("state"), dtype), mu)
     out = np.empty(sizes.flat("values"), dtype)
     variant = _machinery.choose_variant(sizes.batch, sizes.length, sizes.m * sizes.width)
     with _single_threaded_blas():
@@ -677,8 +689,8 @@ def numpy_backward(
     features, values = sizes.flat("features"), sizes.flat("values")
     state_shape, m, width = sizes.flat("state"), sizes.m, sizes.width
     flat = [_flat(x, features) for x in (log_phi_q, log_phi_k)]
-    flat += [_flat(values_aug, values), _flat(kv, state_shape)]
     mu = _flat(log_shift, sizes.flat("shift"))
+    flat += [_flat(values_aug, values), _without_empty_rows(_fresh(kv, state_shape, dtype), mu)]
     dout, dkv_out = _flat(d_outputs_aug, values), _flat(d_kv, state_shape)
     dlq, dlk = np.empty(features, dtype), np.empty(features, dtype)
     dva, dkv = np.empty(values, dtype), _fresh(dkv_out, state_shape, dtype)
@@ -706,7 +718,7 @@ def numpy_backward(
         dlq.reshape(sizes.shape("features")),
         dlk.reshape(sizes.shape("features")),
         dva.reshape(sizes.shape("values")),
-        dkv.reshape(sizes.shape("state")),
+        _without_empty_rows(dkv, mu).reshape(sizes.shape("state")),
     )
 
 
@@ -770,8 +782,9 @@ def favor_causal(
     qf, kf, vf = flat(q, (length, head_dim)), flat(k, (length, head_dim)), flat(v, (length, dv))
     mask = np.ones(length, bool) if key_mask is None else key_mask
     maskf = _flat(np.broadcast_to(mask, (*batch, length)), (n, length))
-    state = _fresh(np.broadcast_to(kv, (*batch, m, dv + 1)), (n, m, dv + 1), dtype)
     mu = _fresh(np.broadcast_to(log_shift, (*batch, m)), (n, m), dtype)
+    state = _fresh(np.broadcast_to(kv, (*batch, m, dv + 1)), (n, m, dv + 1), dtype)
+    state = _without_empty_rows(state, mu)
     consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
     scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
     out = np.empty((n, length, dv), dtype)
