@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
+import time
 import warnings
 from typing import Any
 
@@ -42,6 +44,7 @@ __all__ = [
     "device_array",
     "external_stream",
     "gpu",
+    "probe",
     "status",
     "to_device",
     "toolchain",
@@ -210,6 +213,32 @@ def status() -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # numba-cuda warns about old drivers and toolkits
         return describe(toolchain())
+
+
+def _probe_kernel(x: Any) -> None:  # (module level: the simulator swaps the global ``cuda``)
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i] = math.exp(x[i] * 0.0) + i  # math.exp: libdevice is linked, not just NVVM
+
+
+def probe() -> float:
+    """Compile and launch one small kernel and check its result; the seconds it took.
+
+    Raises whatever the driver, NVVM or libdevice raise: the first thing a GPU
+    check runs (``benchmarks/gpu_check.py``), since :func:`status` finds the
+    parts but compiles nothing.
+    """
+    import numpy as np
+
+    started = time.perf_counter()
+    kernel = cuda.jit("void(float32[::1])")(_probe_kernel)
+    x = cuda.to_device(np.zeros(64, dtype=np.float32))
+    kernel[2, 32](x)
+    got = x.copy_to_host()
+    want = 1.0 + np.arange(64, dtype=np.float32)
+    if not np.array_equal(got, want):
+        raise RuntimeError(f"the probe kernel wrote {got[:8]}..., expected {want[:8]}...")
+    return time.perf_counter() - started
 
 
 def gpu(device_id: int) -> Any:
