@@ -105,13 +105,13 @@ def _build(dt: Any) -> SimpleNamespace:
     TP = TILE + 1  # padded rows: column reads hit distinct banks
     NEG_INF = -math.inf
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def safe(x):
         if math.isfinite(x):
             return x
         return dt(0.0)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def feature(kind, lq, lk, mus, F, G, Gm, flo, b, n, t, r, end):
         if t >= end or r >= lq.shape[2]:
             return dt(0.0)
@@ -125,14 +125,14 @@ def _build(dt: Any) -> SimpleNamespace:
             return math.exp(lk[b, t, r] - safe(mus[b, n + 1, r]))
         return math.exp(lk[b, t, r] - safe(mus[b, n, r]) - safe(G[b, t]))
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def decay(mus, b, n, r):
         old = mus[b, n, r]
         if math.isfinite(old):
             return math.exp(old - safe(mus[b, n + 1, r]))
         return dt(0.0)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def causal(x, G, Gm, b, j, t, end):
         """``x exp(G_j - Gmax_t)`` for keys ``j <= t`` of the chunk, else 0: selected,
         not ``x * 0``, so that a later key's NaN or inf never reaches query ``t``."""
@@ -140,20 +140,20 @@ def _build(dt: Any) -> SimpleNamespace:
             return x * math.exp(G[b, j] - Gm[b, t])
         return dt(0.0)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def entry(x, b, i, c, end):
         """``x[b, i, c]``, or 0 past the chunk's ``end`` or the last column (tile edges)."""
         if i < end and c < x.shape[2]:
             return x[b, i, c]
         return dt(0.0)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def chunk_span(n, chunk, length):
         """First token and end of chunk ``n``."""
         start = n * chunk
         return start, min(start + chunk, length)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def token_tile(tiles, chunk, length):
         """``(n, tile, start, end, first)`` of this block: ``blockIdx.x = n * tiles + tile``
         is tile ``tile`` of chunk ``n``, tokens ``first ..`` of ``start .. end``."""
@@ -313,6 +313,9 @@ def _build(dt: Any) -> SimpleNamespace:
         Forward: ``states[b, n] <- S_n`` (before chunk n), ``S_{n+1} = decay_n S_n +
         increment_n``, ``final <- S_N``.  Reverse (gradients): ``states[b, n] <-
         dS_{n+1}``, ``dS_n = decay_n dS_{n+1} + increment_n``, ``final <- dS_0``.
+
+        A row of the input state whose shift is ``-inf`` is empty, whatever its
+        stored values (``exp(-inf) S = 0``): it starts at 0, and its gradient is 0.
         """
         i = cuda.blockIdx.x * TT + cuda.threadIdx.x
         b = cuda.blockIdx.y
@@ -321,12 +324,17 @@ def _build(dt: Any) -> SimpleNamespace:
         if i < initial.shape[1] * width:
             r = i // width
             c = i % width
+            empty = not math.isfinite(mus[b, 0, r])
             s = initial[b, r, c]
+            if empty and not reverse:
+                s = dt(0.0)
             for step in range(num_chunks):
                 n = num_chunks - 1 - step if reverse else step
                 increment = states[b, n, r, c]
                 states[b, n, r, c] = s
                 s = decay(mus, b, n, r) * s + increment
+            if empty and reverse:
+                s = dt(0.0)
             final[b, r, c] = s
 
     @cuda.jit

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba.core.errors import NumbaPerformanceWarning
 
 from linattn_numba import _contract, _cuda
 from linattn_numba._gpu_kernels import KEY_STATE, QUERY, TILE, WEIGHTED_QUERY, kernels
@@ -304,7 +303,8 @@ class _Launcher:
         try:
             with warnings.catch_warnings():
                 # Small problems under-fill a GPU; that is the caller's choice, not an error.
-                warnings.simplefilter("ignore", NumbaPerformanceWarning)
+                for category in _cuda.PERFORMANCE_WARNINGS:
+                    warnings.simplefilter("ignore", category)
                 getattr(self.kernels, name)[grid, block, self.stream](*args)
         except Exception as error:  # CudaAPIError, CudaSupportError, ...
             raise RuntimeError(
