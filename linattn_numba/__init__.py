@@ -37,7 +37,7 @@ def cuda_status() -> str:
     try:
         from linattn_numba import _cuda
     except ImportError as error:
-        return f"unavailable: {error}; install linattn[cuda]"
+        return f"unavailable: {error}; install linattn[cuda12] or linattn[cuda13]"
     return _cuda.status()
 
 

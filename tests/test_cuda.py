@@ -128,9 +128,6 @@ def test_matches_cpu_kernel() -> None:
         _close(actual, expected, rtol=1e-10)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="linattn_numba.cpu: d kv is not 0 on empty state rows (mu = -inf)"
-)
 def test_cpu_kernel_gives_empty_state_rows_no_gradient() -> None:
     import linattn_numba
 
