@@ -21,6 +21,8 @@ __all__ = [
     "check_chunk_size",
     "check_key_mask",
     "check_scale",
+    "check_state_options",
+    "check_statistics_for_causal",
     "key_mask_batch_shape",
 ]
 
@@ -150,3 +152,26 @@ def check_attention_inputs(
         query_head_dim=int(q.shape[-1]),
         value_dim=int(v.shape[-1]),
     )
+
+
+def check_state_options(causal: bool, state: object, return_state: object) -> None:
+    """``return_state`` is a bool; ``state`` and ``return_state`` only with ``causal``."""
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be True or False; got {return_state!r}")
+    if not causal and (state is not None or return_state):
+        raise ValueError(
+            "state and return_state need causal=True (bidirectional attention has no "
+            f"running state); got state={'given' if state is not None else None}, "
+            f"return_state={return_state}"
+        )
+
+
+def check_statistics_for_causal(kind: str, needs_calibration: bool, causal: bool) -> None:
+    """Causal attention needs a map's statistics fixed in advance."""
+    if causal and needs_calibration:
+        raise ValueError(
+            f"causal attention needs the {kind!r} feature map's query/key "
+            "statistics fixed in advance (statistics over the whole sequence would let "
+            "later tokens change earlier outputs): expected a map from "
+            "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
+        )

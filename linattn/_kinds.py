@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -23,10 +23,25 @@ from linattn._xp import Array, Namespace, constant, from_host
 if TYPE_CHECKING:
     from linattn.features import FeatureMap
 
-__all__ = ["KIND_SPECS", "FeatureKind", "kind_spec"]
+__all__ = ["KIND_SPECS", "FeatureKind", "KindInputs", "kind_spec"]
 
 #: Added to ReLU features so that attention denominators stay positive.
 RELU_EPSILON = 1e-3
+
+
+class KindInputs(NamedTuple):
+    """What a kind computes from: the (scaled) input and, for random kinds, its projection.
+
+    ``x`` is the input itself for deterministic kinds and ``sqrt(scale) Psi^(+-1) x`` for
+    random ones, ``proj = W x`` and ``half_norm = |x|^2 / 2``; ``oprf_a`` is OPRF's ``A``
+    (a float, or a 0-d array for a call's own statistics).
+    """
+
+    feature_map: FeatureMap
+    x: Array
+    proj: Array | None = None
+    half_norm: Array | None = None
+    oprf_a: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,27 +80,11 @@ class FeatureKind:
     fused: bool = False
     overflow: float = math.nan
 
-    def log_features(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        half_norm: Array | None,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array | None]:
+    def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
         """``(log|phi|, sign or None)`` from the input (deterministic) or its projection."""
         raise NotImplementedError
 
-    def vjp(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        d_log: Array,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array]:
+    def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
         """Cotangents ``(d_proj, d_half_norm)`` (random kinds) or ``(dx, 0)`` (deterministic)."""
         raise NotImplementedError
 
@@ -99,61 +98,40 @@ class _Exponential(FeatureKind):
 
     antithetic: bool = False
 
-    def log_features(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        half_norm: Array | None,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array | None]:
-        assert proj is not None and half_norm is not None
+    def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
+        assert i.proj is not None and i.half_norm is not None
+        proj, fm = i.proj, i.feature_map
         offset: Any = -0.5 * math.log(fm.num_features)
         if self.oprf:
             # (1 - 4A)^(d/4) exp(A|w|^2 + B w^T x - |x|^2/2) is unbiased for B^2 = 1 - 4A;
             # A is a float (a calibrated map) or a 0-d array (a call's own statistics).
-            proj = _slope(xp, oprf_a) * proj
-            offset = offset + 0.25 * fm.head_dim * _log1p(xp, -4.0 * oprf_a)
+            proj = _slope(xp, i.oprf_a) * proj
+            offset = offset + 0.25 * fm.head_dim * _log1p(xp, -4.0 * i.oprf_a)
         if self.antithetic:
             proj = xp.concat([proj, -proj], axis=-1)
-        log_phi = proj - half_norm + offset
+        log_phi = proj - i.half_norm + offset
         if self.oprf:
             energy = np.sum(fm.projection**2, axis=1)  # type: ignore[operator]
             if self.antithetic:
                 energy = np.concatenate([energy, energy])
-            log_phi = log_phi + oprf_a * from_host(xp, energy, dtype=x.dtype, device=_device(x))
+            x = i.x
+            log_phi = log_phi + i.oprf_a * from_host(xp, energy, dtype=x.dtype, device=_device(x))
         return log_phi, None
 
-    def vjp(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        d_log: Array,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array]:
+    def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
         total = xp.sum(d_log, axis=-1, keepdims=True)
         if self.antithetic:
             half = d_log.shape[-1] // 2
             d_log = d_log[..., :half] - d_log[..., half:]
-        return (_slope(xp, oprf_a) * d_log if self.oprf else d_log), total
+        return (_slope(xp, i.oprf_a) * d_log if self.oprf else d_log), total
 
 
 @dataclass(frozen=True, slots=True)
 class _Trigonometric(FeatureKind):
     """``[cos, sin](w^T x) exp(|x|^2 / 2) / sqrt(m / 2)``: signed random Fourier features."""
 
-    def log_features(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        half_norm: Array | None,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array | None]:
+    def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
+        proj, half_norm, fm = i.proj, i.half_norm, i.feature_map
         assert proj is not None and half_norm is not None
         trig = xp.concat([xp.cos(proj), xp.sin(proj)], axis=-1)
         size = xp.abs(trig)  # log 0 = -inf without a warning (w^T x = 0 for x = 0)
@@ -162,15 +140,8 @@ class _Trigonometric(FeatureKind):
         log_size = xp.where(nonzero, xp.log(xp.where(nonzero, size, one)), neg_inf)
         return log_size + half_norm - 0.5 * math.log(fm.num_features / 2), xp.sign(trig)
 
-    def vjp(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        d_log: Array,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array]:
+    def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
+        proj = i.proj
         assert proj is not None
         zero, one = constant(xp, 0.0, d_log), constant(xp, 1.0, d_log)
         half = proj.shape[-1]
@@ -204,84 +175,37 @@ def _log_relu_vjp(xp: Namespace, z: Array, d_log: Array) -> Array:
 class _RandomReLU(FeatureKind):
     """``relu(w^T x) + 1e-3``: Performer's "generalized" kernel, not softmax."""
 
-    def log_features(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        half_norm: Array | None,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array | None]:
-        assert proj is not None
-        return _log_relu(xp, proj), None
+    def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
+        assert i.proj is not None
+        return _log_relu(xp, i.proj), None
 
-    def vjp(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        d_log: Array,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array]:
-        assert proj is not None
-        return _log_relu_vjp(xp, proj, d_log), constant(xp, 0.0, d_log)
+    def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
+        assert i.proj is not None
+        return _log_relu_vjp(xp, i.proj, d_log), constant(xp, 0.0, d_log)
 
 
 @dataclass(frozen=True, slots=True)
 class _ReLU(FeatureKind):
     """``relu(x) + 1e-3`` (deterministic)."""
 
-    def log_features(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        half_norm: Array | None,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array | None]:
-        return _log_relu(xp, x), None
+    def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
+        return _log_relu(xp, i.x), None
 
-    def vjp(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        d_log: Array,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array]:
-        return _log_relu_vjp(xp, x, d_log), constant(xp, 0.0, d_log)
+    def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
+        return _log_relu_vjp(xp, i.x, d_log), constant(xp, 0.0, d_log)
 
 
 @dataclass(frozen=True, slots=True)
 class _ELU(FeatureKind):
     """``elu(x) + 1``: ``log1p(x)`` for ``x > 0``, ``x`` otherwise (deterministic)."""
 
-    def log_features(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        half_norm: Array | None,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array | None]:
+    def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
+        x = i.x
         zero = xp.zeros_like(x)
         return xp.where(x > 0, xp.log1p(xp.maximum(x, zero)), xp.minimum(x, zero)), None
 
-    def vjp(
-        self,
-        xp: Namespace,
-        fm: FeatureMap,
-        x: Array,
-        proj: Array | None,
-        d_log: Array,
-        oprf_a: Any = None,
-    ) -> tuple[Array, Array]:
-        zero, one = constant(xp, 0.0, d_log), constant(xp, 1.0, d_log)
+    def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
+        x, zero, one = i.x, constant(xp, 0.0, d_log), constant(xp, 1.0, d_log)
         return xp.where(x > 0, d_log / (one + xp.where(x > 0, x, zero)), d_log), zero
 
 

@@ -14,7 +14,13 @@ import numpy as np
 
 from linattn import _dispatch
 from linattn import causal as causal_path
-from linattn._checks import check_attention_inputs, check_chunk_size, check_scale
+from linattn._checks import (
+    check_attention_inputs,
+    check_chunk_size,
+    check_scale,
+    check_state_options,
+    check_statistics_for_causal,
+)
 from linattn._dispatch import Backend
 from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, from_host
 from linattn.calibration import Statistics, per_call_statistics
@@ -211,14 +217,7 @@ def linear_attention(
         q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
     )
     chunk_size = check_chunk_size(chunk_size)
-    if not isinstance(return_state, bool):
-        raise TypeError(f"return_state must be True or False; got {return_state!r}")
-    if not causal and (state is not None or return_state):
-        raise ValueError(
-            "state and return_state need causal=True (bidirectional attention has no "
-            f"running state); got state={'given' if state is not None else None}, "
-            f"return_state={return_state}"
-        )
+    check_state_options(causal, state, return_state)
     xp = info.xp
     work = compute_dtype(xp, info.dtype)
     q, k, v = (xp.astype(x, work, copy=False) for x in (q, k, v))  # one compute dtype
@@ -313,15 +312,9 @@ def call_statistics(
     Causal attention refuses: statistics over the sequence would let later tokens change
     earlier outputs.
     """
+    check_statistics_for_causal(feature_map.kind, feature_map.needs_calibration, causal)
     if not feature_map.needs_calibration:
         return None
-    if causal:
-        raise ValueError(
-            f"causal attention needs the {feature_map.kind!r} feature map's query/key "
-            "statistics fixed in advance (statistics over the whole sequence would let "
-            "later tokens change earlier outputs): expected a map from "
-            "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
-        )
     root = math.sqrt(feature_map.scale)
     return per_call_statistics(
         xp,

@@ -38,7 +38,13 @@ import array_api_compat
 import numpy as np
 
 from linattn import _dispatch
-from linattn._checks import AttentionInputs, check_attention_inputs, check_chunk_size
+from linattn._checks import (
+    AttentionInputs,
+    check_attention_inputs,
+    check_chunk_size,
+    check_state_options,
+    check_statistics_for_causal,
+)
 from linattn._xp import Array, Namespace, compute_dtype, constant
 from linattn.attention import (
     DEFAULT_CHUNK_SIZE,
@@ -278,18 +284,12 @@ def dask_linear_attention(
     )
     check_chunk_size(chunk_size)
     _dispatch.resolve_backend(backend)
-    _check_state_options(causal, state, return_state)
+    check_state_options(causal, state, return_state)
     work = compute_dtype(np, np.dtype(info.dtype))
     if state is not None:
         info = replace(info, batch_shape=_check_state(state, feature_map, info, work))
+    check_statistics_for_causal(feature_map.kind, feature_map.needs_calibration, causal)
     if feature_map.needs_calibration:
-        if causal:
-            raise ValueError(
-                f"causal attention needs the {feature_map.kind!r} feature map's query/key "
-                "statistics fixed in advance (statistics over the whole sequence would let "
-                "later tokens change earlier outputs): expected a map from "
-                "feature_map.calibrate(q, k) or with_statistics(...), got an uncalibrated one"
-            )
         feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
     # Computed in the state's dtype, like linear_attention; the outputs are cast back.
     inputs = _layout(q, k, v, key_mask, info, feature_map, causal=causal, dtype=work)
@@ -310,18 +310,6 @@ def dask_linear_attention(
         feature_map=feature_map.fingerprint,
         num_tokens=previous + info.key_length,
     )
-
-
-def _check_state_options(causal: bool, state: object, return_state: object) -> None:
-    """``return_state`` is a bool; ``state`` and ``return_state`` only with ``causal``."""
-    if not isinstance(return_state, bool):
-        raise TypeError(f"return_state must be True or False; got {return_state!r}")
-    if not causal and (state is not None or return_state):
-        raise ValueError(
-            "state and return_state need causal=True (bidirectional attention has no "
-            f"running state); got state={'given' if state is not None else None}, "
-            f"return_state={return_state}"
-        )
 
 
 def _as_dask(x: Any) -> Any:

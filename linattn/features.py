@@ -19,7 +19,7 @@ import array_api_compat
 import numpy as np
 
 from linattn._checks import check_key_mask, check_scale, key_mask_batch_shape
-from linattn._kinds import KIND_SPECS, FeatureKind, kind_spec
+from linattn._kinds import KIND_SPECS, FeatureKind, KindInputs, kind_spec
 from linattn._xp import (
     Array,
     compute_dtype,
@@ -555,12 +555,13 @@ class FeatureMap:
         xp, x = self._check_input(x, role, statistics)
         oprf_a, psi = self._statistics(statistics)
         if not self._spec.random:
-            return self._spec.log_features(xp, self, x, None, None, oprf_a)
+            return self._spec.log_features(xp, KindInputs(self, x, oprf_a=oprf_a))
         x, overflow = self._without_overflow(xp, x, role, psi)
         x = x * self._input_factor(xp, x, role, psi)
         proj = xp.matmul(x, xp.matrix_transpose(self._projection_like(xp, x)))
         half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        log_phi, sign = self._spec.log_features(xp, self, x, proj, half_norm, oprf_a)
+        inputs = KindInputs(self, x, proj, half_norm, oprf_a)
+        log_phi, sign = self._spec.log_features(xp, inputs)
         return xp.where(overflow, constant(xp, self._spec.overflow, log_phi), log_phi), sign
 
     def log_features_vjp(
@@ -592,13 +593,13 @@ class FeatureMap:
         oprf_a, psi = self._statistics(statistics)
         x = xp.astype(x, d_log.dtype, copy=False)
         if not self._spec.random:
-            return self._spec.vjp(xp, self, x, None, d_log, oprf_a)[0]
+            return self._spec.vjp(xp, KindInputs(self, x, oprf_a=oprf_a), d_log)[0]
         x, overflow = self._without_overflow(xp, x, role, psi)
         factor = self._input_factor(xp, x, role, psi)
         x = x * factor
         projection = self._projection_like(xp, x)
         proj = xp.matmul(x, xp.matrix_transpose(projection))
-        d_proj, d_half_norm = self._spec.vjp(xp, self, x, proj, d_log, oprf_a)
+        d_proj, d_half_norm = self._spec.vjp(xp, KindInputs(self, x, proj, None, oprf_a), d_log)
         dx = factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
         return xp.where(overflow, constant(xp, 0.0, dx), dx)  # constant features there
 
