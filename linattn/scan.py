@@ -1,4 +1,4 @@
-"""Scans of chunk states with the associative :func:`linattn.combine`, in O(log N) steps.
+"""Scans of chunk states with the associative :func:`linattn.combine`, without a loop over L.
 
 Causal attention computes every chunk's own state ``(S_n, mu_n)`` at once and then
 needs, for each chunk, the combination of all states before it.  That is a prefix
