@@ -87,10 +87,7 @@ def dask(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def kernels(session: nox.Session) -> None:
     """The Numba CPU kernels against the array-API path (NumPy and torch CPU)."""
-    # The compile cache is opt-in (LINATTN_NUMBA_CACHE=1): on here so that reruns stay
-    # fast; the threading tests clear it in their subprocesses to test the default.
-    cache = {"LINATTN_NUMBA_CACHE": "1"}
-    _test(session, "numpy,numpy_readonly,torch", TORCH, extras="numba", env=cache)
+    _test(session, "numpy,numpy_readonly,torch", TORCH, extras="numba")
     session.run(
         "pytest",
         "--doctest-modules",
@@ -99,7 +96,6 @@ def kernels(session: nox.Session) -> None:
         "linattn_numba/_machinery.py",
         "-p",
         "no:cacheprovider",
-        env=cache,
     )
 
 
