@@ -62,8 +62,8 @@ class Plan:
     Attributes
     ----------
     path : str
-        One of :data:`PATHS`: ``"numba-cpu"`` / ``"numba-cuda"`` (compiled kernels),
-        ``"jax-scan"`` (batched chunks, :func:`jax.lax.scan`),
+        One of ``PATHS``: ``"numba-cpu"`` / ``"numba-cuda"`` (compiled kernels),
+        ``"jax-scan"`` (batched chunks, ``jax.lax.scan``),
         ``"dask-scan"`` (:func:`linattn.distributed.dask_linear_attention`) or
         ``"array-api"`` (batched chunks, a log-depth scan in the array API).
     reason : str

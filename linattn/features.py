@@ -540,7 +540,7 @@ class FeatureMap:
         ``role`` says whether ``x`` holds queries or keys; rebalanced maps need it.
         An input whose squared norm overflows gets log-features ``-inf`` (its true
         features lie below the float range), never NaN.  ``statistics`` (arrays of
-        ``x``'s namespace, from :func:`linattn.calibration.per_call_statistics`) stand in
+        ``x``'s namespace, from ``linattn.calibration.per_call_statistics``) stand in
         for a map's missing ``oprf_a`` and rebalancing scales.
 
         Examples
