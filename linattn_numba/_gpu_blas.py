@@ -119,7 +119,7 @@ def forward(
     padded = p.num_chunks * chunk
     u, psi, phi = (p.empty((p.batch, p.num_chunks, chunk, p.m)) for _ in range(3))
     vap = p.empty((p.batch, p.num_chunks, chunk, p.width))
-    grid = (padded, -(-max(p.m, p.width) // PER_BLOCK), p.batch)
+    grid: tuple[int, ...] = (padded, -(-max(p.m, p.width) // PER_BLOCK), p.batch)
     launch("chunk_features", grid, (PER_BLOCK,), lq, lk, va, *stats, u, psi, phi, vap)
     with tf32(p.lib.name, allow_tf32):
         scores = matmul(u, psi, False, True)
