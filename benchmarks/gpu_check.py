@@ -552,8 +552,9 @@ class Breakdown:
 
         def timed_matmul(matmul: Callable[..., Any]) -> Callable[..., Any]:
             def product(a: Any, b: Any, ta: bool, tb: bool) -> Any:
-                rows, inner = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
-                cols = b.shape[-2] if tb else b.shape[-1]
+                sa, sb = tuple(a.shape), tuple(b.shape)  # (the simulator's shapes: no [-1])
+                rows, inner = (sa[-1], sa[-2]) if ta else (sa[-2], sa[-1])
+                cols = sb[-2] if tb else sb[-1]
                 label = f"matmul ({rows} x {inner})({inner} x {cols})"
                 return record(self.stream, label, lambda: matmul(a, b, ta, tb))
 
