@@ -137,17 +137,6 @@ def _poisoned_matmul(matmul):
     return product
 
 
-def test_state_continues_a_sequence() -> None:
-    args = _inputs((2,), 12, 5, 3, False, True)
-    whole = _blas(args, 4)
-    lq, lk, va, kv, mu = args
-    first = _blas((lq[:, :8], lk[:, :8], va[:, :8], kv, mu), 4)
-    second = _blas((lq[:, 8:], lk[:, 8:], va[:, 8:], first[1], first[2]), 4)
-    _close(np.concatenate([first[0], second[0]], axis=1), whole[0], rtol=1e-12)
-    _close(second[1], whole[1], rtol=1e-12)
-    np.testing.assert_array_equal(second[2], whole[2])
-
-
 def test_empty_inputs() -> None:
     lq, lk, va, kv, mu = _inputs((2,), 3, 4, 2, True, False)
     out, kv_out, mu_out = _blas((lq[:, :0], lk[:, :0], va[:, :0], kv, mu), 4)
