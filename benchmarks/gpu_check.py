@@ -19,7 +19,8 @@ Sections, each its own process under its own timeout (the whole run fits
     (``outputs_aug``, ``kv_out``, ``log_shift_out``), backward against CPU torch
     float64 autograd of the array-API path, causality (bit-exact).  Every output is
     poisoned with NaN before each call (memory a kernel forgets to write shows), and
-    every float32 call runs twice and must be bit-identical (races show).
+    every float32 call runs twice and must be bit-identical (races show).  Each
+    forward design is checked (``gpu.DESIGNS``; the BLAS one's checks start ``blas``).
 ``long``
     one check at L = 16384 (``--tiny``: 64): the float32 kernel's normalised outputs
     against float64 on the host, ``max|o32 - o64| / max|o64| <= 1e-5`` per head.
@@ -28,7 +29,9 @@ Sections, each its own process under its own timeout (the whole run fits
     forward and forward + backward on log-features, the same with the feature map
     (torch autograd), the per-kernel breakdown (CUDA events), torch's SDPA (flash for
     bfloat16; float32) forward and forward + backward, and a measured matrix-product
-    ceiling (square and chunk-shaped batched products).
+    ceiling (square and chunk-shaped batched products).  Both forward designs are
+    timed (``kernel ...`` and ``blas ...``; the BLAS design's float32 products without
+    TF32), the BLAS one with its own breakdown (kernels and each matmul shape).
 ``sanitizer`` (``--sanitizer``)
     ``compute-sanitizer`` memcheck and racecheck over a small forward and backward.
 
@@ -68,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUTS = {"preflight": 60, "correctness": 110, "long": 70, "timing": 150, "sanitizer": 45}
 """Seconds each section may take; together 435 s, cut to the run's ``--budget``."""
 REEXEC = "LINATTN_GPU_CHECK_ENV"
+PREFIX = {"kernels": "", "blas": "blas "}  # check names of each forward design
 
 
 # --------------------------------------------------------------------------------------
@@ -379,23 +383,26 @@ def correctness(res: Results, opts: argparse.Namespace) -> None:
             for dtype in ("float64", "float32"):
                 host = tuple(a.astype(dtype) for a in host64)
                 ref = host_reference(host, chunk)  # float64, on the rounded inputs
-                with res.guard(f"forward {dtype} {shape}"):
-                    calls = 2 if dtype == "float32" else 1
-                    runs = [
-                        [lib.host(x) for x in gpu.forward(name, *map(lib.to, host), chunk)]
-                        for _ in range(calls)
-                    ]
-                    errors = [relative_error(g, w) for g, w in zip(runs[0], ref, strict=True)]
-                    res.emit(
-                        f"forward {dtype}", max(errors) <= tol[dtype], value=max(errors),
-                        limit=tol[dtype], detail=f"out, kv, mu: {errors}", **shape,
-                    )  # fmt: skip
-                    if calls == 2:
-                        same = all(
-                            np.array_equal(a, b, equal_nan=True)
-                            for a, b in zip(*runs, strict=True)
+                for design in gpu.DESIGNS:
+                    check = f"{PREFIX[design]}forward {dtype}"
+                    with res.guard(f"{check} {shape}"):
+                        calls = 2 if dtype == "float32" else 1
+                        runs = [
+                            [lib.host(x) for x in
+                             gpu.forward(name, *map(lib.to, host), chunk, design, False)]
+                            for _ in range(calls)
+                        ]  # fmt: skip
+                        errors = [relative_error(g, w) for g, w in zip(runs[0], ref, strict=True)]
+                        res.emit(
+                            check, max(errors) <= tol[dtype], value=max(errors),
+                            limit=tol[dtype], detail=f"out, kv, mu: {errors}", **shape,
                         )  # fmt: skip
-                        res.emit(f"forward {dtype} run twice bit-identical", same, **shape)
+                        if calls == 2:
+                            same = all(
+                                np.array_equal(a, b, equal_nan=True)
+                                for a, b in zip(*runs, strict=True)
+                            )  # fmt: skip
+                            res.emit(f"{check} run twice bit-identical", same, **shape)
                 with res.guard(f"backward {dtype} {shape}"):
                     cot = invariant_cotangents(ref, r_out, r_state)
                     want = torch_reference_grads(host, chunk, r_out, r_state)
@@ -417,16 +424,20 @@ def correctness(res: Results, opts: argparse.Namespace) -> None:
                             for a, b in zip(*runs, strict=True)
                         )  # fmt: skip
                         res.emit(f"backward {dtype} run twice bit-identical", same, **shape)
-                with res.guard(f"causality {dtype} {shape}"):
-                    cut = length // 2
-                    changed = [a.copy() for a in host]
-                    changed[0][:, cut + 1 :] += 1.0
-                    changed[1][:, cut + 1 :] += 5.0
-                    changed[2][:, cut + 1 :, :-1] = 1e3
-                    before = lib.host(gpu.forward(name, *map(lib.to, host), chunk)[0])
-                    after = lib.host(gpu.forward(name, *map(lib.to, changed), chunk)[0])
-                    same = np.array_equal(after[:, : cut + 1], before[:, : cut + 1])
-                    res.emit(f"causality {dtype} bit-exact", bool(same), **shape)
+                for design in gpu.DESIGNS:
+                    check = f"{PREFIX[design]}causality {dtype} bit-exact"
+                    with res.guard(f"{check} {shape}"):
+                        cut = length // 2
+                        changed = [a.copy() for a in host]
+                        changed[0][:, cut + 1 :] += 1.0
+                        changed[1][:, cut + 1 :] += 5.0
+                        changed[2][:, cut + 1 :, :-1] = 1e3
+                        before, after = (
+                            lib.host(gpu.forward(name, *map(lib.to, x), chunk, design, False)[0])
+                            for x in (host, changed)
+                        )
+                        same = np.array_equal(after[:, : cut + 1], before[:, : cut + 1])
+                        res.emit(check, bool(same), **shape)
         if name == "torch":
             torch_routes(res, shapes[0])
 
@@ -487,20 +498,25 @@ def long_check(res: Results, opts: argparse.Namespace) -> None:
     args = (lq, lk, va, kv, mu)
     shape = {"lib": lib.name, "H": heads, "L": length, "d": d, "m": m, "C": chunk}
     with res.guard(f"long L={length}"):
-        started = time.perf_counter()
-        runs = [lib.host(gpu.forward(lib.name, *map(lib.to, args), chunk)[0]) for _ in range(2)]
-        device_s = time.perf_counter() - started
-        res.emit("long run twice bit-identical", bool(np.array_equal(*runs, equal_nan=True)),
-                 **shape)  # fmt: skip
         out64 = host_reference(args, chunk)[0]
-        o32 = runs[0][..., :-1] / runs[0][..., -1:]
         o64 = out64[..., :-1] / out64[..., -1:]
-        per_head = [relative_error(o32[h], o64[h]) for h in range(heads)]
-        res.emit(
-            "long float32 vs host float64, worst head", max(per_head) <= 1e-5,
-            value=max(per_head), limit=1e-5, detail=f"per head {per_head}; {device_s:.1f} s",
-            **shape,
-        )  # fmt: skip
+    for design in gpu.DESIGNS:
+        with res.guard(f"{PREFIX[design]}long L={length}"):
+            started = time.perf_counter()
+            runs = [
+                lib.host(gpu.forward(lib.name, *map(lib.to, args), chunk, design, False)[0])
+                for _ in range(2)
+            ]
+            device_s = time.perf_counter() - started
+            res.emit(f"{PREFIX[design]}long run twice bit-identical",
+                     bool(np.array_equal(*runs, equal_nan=True)), **shape)  # fmt: skip
+            o32 = runs[0][..., :-1] / runs[0][..., -1:]
+            per_head = [relative_error(o32[h], o64[h]) for h in range(heads)]
+            res.emit(
+                f"{PREFIX[design]}long float32 vs host float64, worst head",
+                max(per_head) <= 1e-5, value=max(per_head), limit=1e-5,
+                detail=f"per head {per_head}; {device_s:.1f} s", **shape,
+            )  # fmt: skip
 
 
 class Breakdown:
@@ -512,30 +528,49 @@ class Breakdown:
         self.pending: list[tuple[str, Any, Any]] = []
 
     def __enter__(self) -> Breakdown:
-        from linattn_numba import _cuda, gpu
+        from linattn_numba import _cuda, _gpu_blas, gpu
 
         self.original = original = gpu._Launcher.__call__
         cuda = _cuda.cuda
 
-        def timed(launcher: Any, name: str, *args: Any) -> None:
+        def record(stream: Any, name: str, call: Callable[[], Any]) -> Any:
             if self.events:
                 start, end = cuda.event(), cuda.event()
-                start.record(launcher.stream)
-                original(launcher, name, *args)
-                end.record(launcher.stream)
+                start.record(stream)
+                result = call()
+                end.record(stream)
                 self.pending.append((name, start, end))
-            else:
-                started = time.perf_counter()
-                original(launcher, name, *args)
-                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - started
+                return result
+            started = time.perf_counter()
+            result = call()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - started
+            return result
 
+        def timed(launcher: Any, name: str, *args: Any) -> None:
+            self.stream = launcher.stream  # (the matmuls run on it too)
+            record(launcher.stream, name, lambda: original(launcher, name, *args))
+
+        def timed_matmul(matmul: Callable[..., Any]) -> Callable[..., Any]:
+            def product(a: Any, b: Any, ta: bool, tb: bool) -> Any:
+                sa, sb = tuple(a.shape), tuple(b.shape)  # (the simulator's shapes: no [-1])
+                rows, inner = (sa[-1], sa[-2]) if ta else (sa[-2], sa[-1])
+                cols = sb[-2] if tb else sb[-1]
+                label = f"matmul ({rows} x {inner})({inner} x {cols})"
+                return record(self.stream, label, lambda: matmul(a, b, ta, tb))
+
+            return product
+
+        self.matmuls = dict(_gpu_blas.MATMULS)
+        for library, matmul in self.matmuls.items():
+            _gpu_blas.MATMULS[library] = timed_matmul(matmul)
         gpu._Launcher.__call__ = timed  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from linattn_numba import _cuda, gpu
+        from linattn_numba import _cuda, _gpu_blas, gpu
 
         gpu._Launcher.__call__ = self.original  # type: ignore[method-assign]
+        _gpu_blas.MATMULS.update(self.matmuls)
         for name, start, end in self.pending:
             end.synchronize()
             seconds = _cuda.cuda.event_elapsed_time(start, end) / 1e3
@@ -624,16 +659,18 @@ def time_length(
     chunk, name = shape["C"], lib.name
     kernel_args = (x["lq"], x["lk"], x["va"], x["kv"], x["mu"])
 
-    def forward() -> Any:
-        return gpu.forward(name, *kernel_args, chunk)
+    def forward(design: str = "kernels") -> Any:
+        return gpu.forward(name, *kernel_args, chunk, design, False)
 
-    def forward_backward() -> Any:
-        gpu.forward(name, *kernel_args, chunk)
+    def forward_backward(design: str = "kernels") -> Any:
+        forward(design)  # (backward is the kernels' in both designs)
         return gpu.backward(name, *kernel_args, chunk, x["d_out"], None)
 
     measures: dict[str, Callable[[], Any]] = {
         "kernel forward": forward,
         "kernel forward+backward": forward_backward,
+        "blas forward": lambda: forward("blas"),
+        "blas forward+backward": lambda: forward_backward("blas"),
     }
     if name == "torch":
         measures.update(_torch_measures(x, fm, chunk))
@@ -647,6 +684,12 @@ def time_length(
             lib.sync()
         for kernel, seconds in sorted(split.totals.items(), key=lambda kv: -kv[1]):
             res.emit(f"kernel {kernel} (fwd+bwd)", None, value=seconds, unit="s", **shape)
+    with res.guard(f"blas per-kernel breakdown {shape}"):
+        with Breakdown(opts.simulator) as split:
+            forward("blas")
+            lib.sync()
+        for kernel, seconds in sorted(split.totals.items(), key=lambda kv: -kv[1]):
+            res.emit(f"blas {kernel} (fwd)", None, value=seconds, unit="s", **shape)
     if name == "numpy" and opts.tiny:
         with res.guard("array-API path (numpy)"):
             q, k, v = (lib.host(x[n]) for n in "qkv")
@@ -855,7 +898,8 @@ def timing_table(rows: list[dict[str, Any]]) -> list[str]:
     """Milliseconds by sequence length, and how the kernel compares with flash SDPA (bf16)."""
     timed = [r for r in rows if r["section"] == "timing" and r.get("unit") == "s" and "L" in r]
     columns = [
-        c for c in ("kernel forward", "kernel forward+backward", "features+kernel forward",
+        c for c in ("kernel forward", "kernel forward+backward", "blas forward",
+                    "blas forward+backward", "features+kernel forward",
                     "features+kernel forward+backward", "sdpa bf16 forward",
                     "sdpa bf16 forward+backward", "sdpa fp32 forward")
         if any(r["check"] == c for r in timed)
@@ -872,6 +916,8 @@ def timing_table(rows: list[dict[str, Any]]) -> list[str]:
             table.get((length, "kernel forward")),
         )
         ratio = f"  sdpa-bf16/kernel forward {sdpa / ours:.2f}x" if sdpa and ours else ""
+        blas = table.get((length, "blas forward"))
+        ratio += f"  sdpa-bf16/blas forward {sdpa / blas:.2f}x" if sdpa and blas else ""
         lines.append(f"L={length:<8} {text}{ratio}")
     return lines
 

@@ -32,7 +32,13 @@ thread per state entry), at the price of keeping the state before every chunk,
 ``feature_readout``
     the state gradients of ``l(q)`` (``dO S_n^T``) and ``l(k)`` (``[V | 1] dS_{n+1}^T``);
 ``backward_intra_queries``, ``backward_intra_keys``
-    the intra-chunk gradients.
+    the intra-chunk gradients;
+``chunk_features``, ``causal_select``, ``combine_readout``
+    the elementwise parts of the vendor-BLAS design (:mod:`linattn_numba._gpu_blas`):
+    the features of every chunk written once, zero-padded to whole chunks,
+    ``(B, N, C, m)``; the causal weights ``e[t, j] = exp(G_j - Gmax_t)`` applied
+    to, and keys ``j > t`` selected out of, the scores ``u psi^T``; and the
+    outputs ``intra + w S-readout``.
 
 Backward holds the stabilisers constant (exact for the normalised output:
 numerator and denominator share every shift) and recomputes the chunk states
@@ -57,6 +63,7 @@ import numba
 from linattn_numba import _cuda
 
 __all__ = [
+    "BLAS_KERNEL_NAMES",
     "KERNEL_NAMES",
     "KEY",
     "KEY_STATE",
@@ -88,7 +95,12 @@ KERNEL_NAMES = (
     "feature_readout",
     "backward_intra_queries",
     "backward_intra_keys",
+    "chunk_features",
+    "causal_select",
+    "combine_readout",
 )
+BLAS_KERNEL_NAMES = KERNEL_NAMES[-3:]
+"""The elementwise kernels of the vendor-BLAS design (:mod:`linattn_numba._gpu_blas`)."""
 
 
 @functools.cache
@@ -522,6 +534,51 @@ def _build(dt: Any) -> SimpleNamespace:
                         dva[b, j, c] += s
                 cuda.syncthreads()
 
+    @cuda.jit
+    def chunk_features(lq, lk, va, mus, F, G, Gm, flo, u, psi, phi, vap):
+        """``u``, ``psi``, ``phi (B, N, C, m)`` and ``[V | 1]`` ``vap (B, N, C, D)`` of
+        every chunk, 0 past ``L``; one block per padded token, a thread per column."""
+        p = cuda.blockIdx.x  # padded token n * C + i
+        col = cuda.blockIdx.y * TT + cuda.threadIdx.x
+        b = cuda.blockIdx.z
+        C = u.shape[2]
+        n = p // C
+        i = p % C
+        end = min((n + 1) * C, lq.shape[1])
+        if col < lq.shape[2]:
+            u[b, n, i, col] = feature(QUERY, lq, lk, mus, F, G, Gm, flo, b, n, p, col, end)
+            psi[b, n, i, col] = feature(KEY, lq, lk, mus, F, G, Gm, flo, b, n, p, col, end)
+            phi[b, n, i, col] = feature(KEY_STATE, lq, lk, mus, F, G, Gm, flo, b, n, p, col, end)
+        if col < va.shape[2]:
+            vap[b, n, i, col] = entry(va, b, p, col, end)
+
+    @cuda.jit
+    def causal_select(scores, G, Gm):
+        """``scores[b, n, i, j] <- (u psi^T)[i, j] exp(G_j - Gmax_i)`` for keys ``j <= i``
+        of the chunk, else 0 (selected: a later key's NaN never reaches query ``i``)."""
+        p = cuda.blockIdx.x  # padded query n * C + i
+        j = cuda.blockIdx.y * TT + cuda.threadIdx.x
+        b = cuda.blockIdx.z
+        C = scores.shape[2]
+        n = p // C
+        i = p % C
+        start = n * C
+        if j < C:
+            end = min(start + C, G.shape[1])
+            scores[b, n, i, j] = causal(scores[b, n, i, j], G, Gm, b, start + j, p, end)
+
+    @cuda.jit
+    def combine_readout(intra, readout, Gm, flo, out):
+        """``out[b, t] = intra[t] + w_t (u S_n)[t]``, ``w_t = exp(floor_n - Gmax_t)``."""
+        t = cuda.blockIdx.x
+        c = cuda.blockIdx.y * TT + cuda.threadIdx.x
+        b = cuda.blockIdx.z
+        C = intra.shape[2]
+        n = t // C
+        i = t % C
+        if c < out.shape[2]:
+            out[b, t, c] = intra[b, n, i, c] + readout[b, n, i, c] * math.exp(flo[b, n] - Gm[b, t])
+
     return SimpleNamespace(
         chunk_max=chunk_max,
         prefix_max=prefix_max,
@@ -533,6 +590,9 @@ def _build(dt: Any) -> SimpleNamespace:
         feature_readout=feature_readout,
         backward_intra_queries=backward_intra_queries,
         backward_intra_keys=backward_intra_keys,
+        chunk_features=chunk_features,
+        causal_select=causal_select,
+        combine_readout=combine_readout,
     )
 
 
@@ -552,4 +612,7 @@ def signatures(precision: str) -> dict[str, str]:
         "feature_readout": f"void({a3}, {a3}, {a3}, {stats}, {a4}, {a3}, {i}, {i}, {i})",
         "backward_intra_queries": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {i}, {i})",
         "backward_intra_keys": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i})",
+        "chunk_features": f"void({a3}, {a3}, {a3}, {stats}, {a4}, {a4}, {a4}, {a4})",
+        "causal_select": f"void({a4}, {a2}, {a2})",
+        "combine_readout": f"void({a4}, {a4}, {a2}, {a2}, {a3})",
     }

@@ -40,6 +40,7 @@ array([1., 2., 3.])
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,14 +48,44 @@ from typing import Any
 
 import numpy as np
 
-from linattn_numba import _contract, _cuda
+from linattn_numba import _contract, _cuda, _gpu_blas
 from linattn_numba._gpu_kernels import KEY_STATE, QUERY, TILE, WEIGHTED_QUERY, kernels
 
-__all__ = ["LIBRARIES", "backward", "causal_kernel", "forward"]
+__all__ = ["DESIGNS", "LIBRARIES", "backward", "causal_kernel", "design", "forward"]
 
 MAX_BATCH = 65535  # CUDA's limit on gridDim.y
 BLOCK = (TILE, TILE)
 FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")  # (computed in float32 or 64)
+
+DESIGNS = ("kernels", "blas")
+"""Forward designs: numba-cuda kernels throughout (the default), or the chunk products
+through the vendor BLAS (:mod:`linattn_numba._gpu_blas`)."""
+DESIGN_VARIABLE = "LINATTN_CUDA_DESIGN"
+TF32_VARIABLE = "LINATTN_CUDA_TF32"
+
+
+def design(choice: str | None = None) -> tuple[str, bool]:
+    """The forward design and whether its float32 products may use TF32.
+
+    ``choice`` (``"kernels"`` or ``"blas"``), else the environment variable
+    ``LINATTN_CUDA_DESIGN``, else ``"kernels"``: no GPU measurement has yet shown
+    the BLAS design faster, so the kernels stay the default.  TF32 is off unless
+    ``LINATTN_CUDA_TF32=1`` (it breaks the float32 tolerance of 1e-5).
+
+    Examples
+    --------
+    >>> from linattn_numba import gpu
+    >>> gpu.design("blas")[0]
+    'blas'
+    """
+    name = os.environ.get(DESIGN_VARIABLE, "kernels") if choice is None else choice
+    if name not in DESIGNS:
+        source = "design" if choice is not None else f"the environment variable {DESIGN_VARIABLE}"
+        raise ValueError(f"{source} must be one of {DESIGNS}; got {name!r}")
+    flag = os.environ.get(TF32_VARIABLE, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"the environment variable {TF32_VARIABLE} must be 0 or 1; got {flag!r}")
+    return name, flag == "1"
 
 
 # --------------------------------------------------------------------------------------
@@ -339,39 +370,54 @@ def forward(
     kv: Any,
     log_shift: Any,
     chunk_size: int,
+    design_name: str | None = None,
+    allow_tf32: bool | None = None,
 ) -> tuple[Any, Any, Any]:
     """Chunked causal attention: ``(outputs_aug, kv_out, log_shift_out)`` in ``library``'s type.
 
     Same contract and results as ``linattn.causal.causal`` (see ``linattn_numba``).
+    ``design_name`` and ``allow_tf32`` override :func:`design` (for tests and timing).
     """
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
     p = _check(LIBRARIES[library], _contract.named(inputs), chunk_size)
+    name, env_tf32 = design(design_name)
+    tf32 = env_tf32 if allow_tf32 is None else allow_tf32
     with _cuda.gpu(p.device):
         lq, lk = p.prepare(log_phi_q, "features"), p.prepare(log_phi_k, "features")
         va = p.prepare(values_aug, "values")
         out = p.empty("values")
         if p.batch and p.length:
             launch, state, kv_out, mu_out, stats = _scan(p, lq, lk, kv, log_shift)
-            # The state before every chunk, (B, L / C, m, d_v + 1): about as large as one
-            # log-feature array, and it turns the scan over chunks into parallel work.
-            states = p.empty((p.batch, p.num_chunks, p.m, p.width))
-            grid: tuple[int, ...] = (p.num_chunks * p.tiles, p.batch)
-            launch("forward_intra", grid, BLOCK, lq, lk, va, *stats, out, p.chunk, p.tiles)
-            grid = (p.num_chunks, p.row_tiles * p.column_tiles, p.batch)
-            launch(
-                "chunk_increments", grid, BLOCK, lq, lk, va, *stats, states, p.chunk,
-                p.row_tiles, KEY_STATE,
-            )  # fmt: skip
-            grid = (-(-p.m * p.width // (TILE * TILE)), p.batch)
-            launch("scan_states", grid, (TILE * TILE,), state, stats[0], states, kv_out, False)
-            grid = (p.num_chunks * p.tiles, p.column_tiles, p.batch)
-            launch(
-                "state_readout", grid, BLOCK, lq, lk, *stats, states, out, p.chunk, p.tiles, QUERY
-            )
+            arrays = (lq, lk, va, state, out, kv_out)
+            if name == "blas":
+                _gpu_blas.forward(p, launch, arrays, stats, tf32)
+            else:
+                _forward_kernels(p, launch, arrays, stats)
         else:
             kv_out = p.lib.copy(kv, p.flat("state"), p.dtype)
             mu_out = p.lib.copy(log_shift, p.flat("shift"), p.dtype)
         return p.result(out, "values"), p.result(kv_out, "state"), p.result(mu_out, "shift")
+
+
+def _forward_kernels(
+    p: _Problem, launch: _Launcher, arrays: tuple[Any, ...], stats: tuple[Any, ...]
+) -> None:
+    """The forward in numba-cuda kernels throughout (the default design)."""
+    lq, lk, va, state, out, kv_out = arrays
+    # The state before every chunk, (B, L / C, m, d_v + 1): about as large as one
+    # log-feature array, and it turns the scan over chunks into parallel work.
+    states = p.empty((p.batch, p.num_chunks, p.m, p.width))
+    grid: tuple[int, ...] = (p.num_chunks * p.tiles, p.batch)
+    launch("forward_intra", grid, BLOCK, lq, lk, va, *stats, out, p.chunk, p.tiles)
+    grid = (p.num_chunks, p.row_tiles * p.column_tiles, p.batch)
+    launch(
+        "chunk_increments", grid, BLOCK, lq, lk, va, *stats, states, p.chunk,
+        p.row_tiles, KEY_STATE,
+    )  # fmt: skip
+    grid = (-(-p.m * p.width // (TILE * TILE)), p.batch)
+    launch("scan_states", grid, (TILE * TILE,), state, stats[0], states, kv_out, False)
+    grid = (p.num_chunks * p.tiles, p.column_tiles, p.batch)
+    launch("state_readout", grid, BLOCK, lq, lk, *stats, states, out, p.chunk, p.tiles, QUERY)
 
 
 def backward(

@@ -74,8 +74,12 @@ def _close(actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
 
 
-def _forward(args: tuple[np.ndarray, ...], chunk: int) -> tuple[np.ndarray, ...]:
-    return gpu.causal_kernel("numpy")(*args, chunk)
+def _forward(
+    args: tuple[np.ndarray, ...], chunk: int, design: str | None = None
+) -> tuple[np.ndarray, ...]:
+    if design is None:
+        return gpu.causal_kernel("numpy")(*args, chunk)
+    return gpu.forward("numpy", *args, chunk, design)
 
 
 @pytest.mark.parametrize(("batch", "length", "m", "dv", "chunk", "state", "mask"), CASES)
@@ -175,13 +179,14 @@ def test_later_non_finite_key_leaves_earlier_outputs(bad: str, dtype: type) -> N
     np.testing.assert_array_equal(out[1], ref[1])
 
 
-def test_state_continues_a_sequence() -> None:
+@pytest.mark.parametrize("design", gpu.DESIGNS)
+def test_state_continues_a_sequence(design: str) -> None:
     """Feeding a sequence in two pieces through the returned state equals feeding it whole."""
     args = _inputs((2,), 12, 5, 3, False, True)
-    whole = _forward(args, 4)
+    whole = _forward(args, 4, design)
     lq, lk, va, kv, mu = args
-    first = _forward((lq[:, :8], lk[:, :8], va[:, :8], kv, mu), 4)
-    second = _forward((lq[:, 8:], lk[:, 8:], va[:, 8:], first[1], first[2]), 4)
+    first = _forward((lq[:, :8], lk[:, :8], va[:, :8], kv, mu), 4, design)
+    second = _forward((lq[:, 8:], lk[:, 8:], va[:, 8:], first[1], first[2]), 4, design)
     _close(np.concatenate([first[0], second[0]], axis=1), whole[0], rtol=1e-12)
     _close(second[1], whole[1], rtol=1e-12)
     np.testing.assert_array_equal(second[2], whole[2])
