@@ -110,6 +110,8 @@ def cudasim(session: nox.Session) -> None:
     session.run(
         "pytest",
         "tests/test_cuda.py",
+        "tests/test_gpu_blas.py",
+        "tests/test_gpu_check.py",
         *session.posargs,
         env={"NUMBA_ENABLE_CUDASIM": "1", "LINATTN_TEST_BACKENDS": "numpy"},
     )
