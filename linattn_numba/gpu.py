@@ -376,7 +376,7 @@ def forward(
     """Chunked causal attention: ``(outputs_aug, kv_out, log_shift_out)`` in ``library``'s type.
 
     Same contract and results as ``linattn.causal.causal`` (see ``linattn_numba``).
-    ``design_name`` and ``allow_tf32`` override :func:`design` (for tests and timing).
+    ``design_name`` and ``allow_tf32`` override ``design()`` (for tests and timing).
     """
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
     p = _check(LIBRARIES[library], _contract.named(inputs), chunk_size)
