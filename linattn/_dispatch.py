@@ -11,7 +11,6 @@ is imported lazily, here and nowhere else, so ``linattn`` imports without numba.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,11 +45,13 @@ Path = Literal["numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api"]
 #: The paths a plan can name (reported, not selectable).
 PATHS: tuple[Path, ...] = ("numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api")
 
-#: Entries (batch x tokens x features) of one pass of the batched chunk algorithm on
-#: eager CPU arrays, so that its temporaries stay small: 2^21 is 1024 tokens for 8 heads
-#: and 256 features, the fastest of 1024 ... 16384 tokens measured at L = 16384
-#: (``benchmarks/test_causal_paths.py``).  GPUs and tracing frameworks take one pass.
-EAGER_CPU_PASS_ENTRIES = 2**21
+#: Tokens per pass of the batched chunk algorithm on eager CPU arrays (rounded up to one
+#: chunk): one chunk per pass, each starting from the state the previous one ended
+#: with, was the fastest measured (L = 16384, H = 8, m = 256, NumPy: 0.8 s for one
+#: chunk, 1.2-1.4 s for 1024-16384 tokens, whose scans of chunk states cost more than
+#: they save; ``benchmarks/test_causal_paths.py``).  GPUs and tracing frameworks take
+#: one pass over the whole sequence.
+EAGER_CPU_TOKENS_PER_PASS = 1
 
 CausalResult = tuple[Array, Array, Array]
 
@@ -210,10 +211,10 @@ def _portable(x: Array, feature_map: FeatureMap | None, reason: str) -> Plan:
     """The batched chunk pass: the framework's scan on JAX, groups of chunks on eager CPUs."""
     if array_api_compat.is_jax_array(x):
         return Plan("jax-scan", f"{reason}; JAX arrays: jax.lax.scan")
-    return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x, feature_map))
+    return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x))
 
 
-def _tokens_per_pass(x: Array, feature_map: FeatureMap | None) -> int | None:
+def _tokens_per_pass(x: Array) -> int | None:
     """Groups of tokens for eager CPU arrays; one pass on GPUs and while torch compiles."""
     library = _library(x)
     if library == "torch":
@@ -223,9 +224,7 @@ def _tokens_per_pass(x: Array, feature_map: FeatureMap | None) -> int | None:
             return None
     elif library not in ("numpy", "array_api_strict"):
         return None
-    batch = math.prod(int(n) for n in x.shape[:-2])
-    features = 256 if feature_map is None else feature_map.num_features
-    return max(1, EAGER_CPU_PASS_ENTRIES // max(1, batch * features))
+    return EAGER_CPU_TOKENS_PER_PASS
 
 
 def _fused(x: Array, feature_map: FeatureMap | None) -> bool:

@@ -69,6 +69,10 @@ class FeatureKind:
         (:func:`linattn.features.overflow_limit`): ``-inf`` where the true value lies
         below the float range (the Gaussian kinds: ``|x|^2 / 2`` dominates), NaN where
         it is not representable.
+    follows_half_norm : bool
+        The log-features are ``... -+ |x|^2 / 2``: the overflow value is reached by
+        setting the half norm of such a row to ``+inf`` (or NaN), an ``(L, 1)`` selection
+        instead of one over every feature.
     """
 
     name: str
@@ -79,6 +83,7 @@ class FeatureKind:
     positive: bool = True
     fused: bool = False
     overflow: float = math.nan
+    follows_half_norm: bool = False
 
     def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
         """``(log|phi|, sign or None)`` from the input (deterministic) or its projection."""
@@ -213,25 +218,35 @@ class _ELU(FeatureKind):
 KIND_SPECS: dict[str, FeatureKind] = {
     spec.name: spec
     for spec in (
-        _Exponential("positive", softmax=True, fused=True, overflow=-math.inf),
+        _Exponential(
+            "positive", softmax=True, fused=True, overflow=-math.inf, follows_half_norm=True
+        ),
         _Exponential(
             "hyperbolic",
             rows_per_feature=2,
             softmax=True,
             fused=True,
             overflow=-math.inf,
+            follows_half_norm=True,
             antithetic=True,
         ),
-        _Exponential("oprf", softmax=True, oprf=True, overflow=-math.inf),
+        _Exponential("oprf", softmax=True, oprf=True, overflow=-math.inf, follows_half_norm=True),
         _Exponential(
             "hyperbolic_oprf",
             rows_per_feature=2,
             softmax=True,
             oprf=True,
             overflow=-math.inf,
+            follows_half_norm=True,
             antithetic=True,
         ),
-        _Trigonometric("trigonometric", rows_per_feature=2, softmax=True, positive=False),
+        _Trigonometric(
+            "trigonometric",
+            rows_per_feature=2,
+            softmax=True,
+            positive=False,
+            follows_half_norm=True,
+        ),
         _RandomReLU("random_relu"),
         _ELU("elu", random=False),
         _ReLU("relu", random=False),

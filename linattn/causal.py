@@ -103,7 +103,17 @@ def causal(
     (outputs_aug, kv, log_shift)
         Unnormalised outputs ``(..., L, d_v + 1)`` and the state after the last token.
     """
-    blocks = ChunkBlocks.of(xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, chunk_size)
+    # Passes over groups hold one group's chunk states at a time: blocks of chunk_size.
+    blocks = ChunkBlocks.of(
+        xp,
+        log_phi_q,
+        sign_q,
+        log_phi_k,
+        sign_k,
+        values_aug,
+        chunk_size,
+        hold_states=tokens_per_pass is None,
+    )
     count = blocks.operands[0].shape[-3]
     size = blocks.lower.shape[0]
     step = count if tokens_per_pass is None else max(1, tokens_per_pass // size)
@@ -140,9 +150,11 @@ class ChunkBlocks(NamedTuple):
         sign_k: Array | None,
         values_aug: Array,
         chunk_size: int,
+        *,
+        hold_states: bool = True,
     ) -> ChunkBlocks:
         length = log_phi_q.shape[-2]
-        width = values_aug.shape[-1]
+        width = values_aug.shape[-1] if hold_states else 1
         size = max(1, min(chunk_size * -(-width // chunk_size), length))
         count = -(-length // size)
 
@@ -172,6 +184,16 @@ class ChunkBlocks(NamedTuple):
         ``(kv, log_shift)`` is the state before the first chunk.
         """
         _, _, log_phi_k, sign_k, values_aug = self.operands
+        if log_phi_k.shape[-3] == 1:  # one chunk: the incoming state, then one absorb
+            end = absorb_keys(
+                xp,
+                kv,
+                log_shift,
+                log_phi_k[..., 0, :, :],
+                None if sign_k is None else sign_k[..., 0, :, :],
+                values_aug[..., 0, :, :],
+            )
+            return (kv[..., None, :, :], log_shift[..., None, :]), end
         batch, m = (*log_phi_k.shape[:-2],), log_phi_k.shape[-1]
         local = absorb_keys(
             xp,

@@ -560,9 +560,15 @@ class FeatureMap:
         x = x * self._input_factor(xp, x, role, psi)
         proj = xp.matmul(x, xp.matrix_transpose(self._projection_like(xp, x)))
         half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        inputs = KindInputs(self, x, proj, half_norm, oprf_a)
-        log_phi, sign = self._spec.log_features(xp, inputs)
-        return xp.where(overflow, constant(xp, self._spec.overflow, log_phi), log_phi), sign
+        spec = self._spec
+        if spec.follows_half_norm:  # -inf (or NaN) through the half norm: an (L, 1) select
+            # +inf gives 0 - inf = -inf for the Gaussian kinds, NaN gives NaN for the others.
+            fill = math.inf if spec.overflow == -math.inf else math.nan
+            half_norm = xp.where(overflow, constant(xp, fill, half_norm), half_norm)
+        log_phi, sign = spec.log_features(xp, KindInputs(self, x, proj, half_norm, oprf_a))
+        if not spec.follows_half_norm:
+            log_phi = xp.where(overflow, constant(xp, spec.overflow, log_phi), log_phi)
+        return log_phi, sign
 
     def log_features_vjp(
         self,
