@@ -114,6 +114,10 @@ def causal(
         chunk_size,
         hold_states=tokens_per_pass is None,
     )
+    # A row whose shift is -inf has seen no key: it holds nothing whatever it stores (as
+    # in the kernels), so its values, and their gradients, are zeros.
+    empty = (log_shift == -math.inf)[..., None]
+    kv = xp.where(empty, constant(xp, 0.0, kv), kv)
     count = blocks.operands[0].shape[-3]
     size = blocks.lower.shape[0]
     step = count if tokens_per_pass is None else max(1, tokens_per_pass // size)
