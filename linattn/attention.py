@@ -549,6 +549,9 @@ def favor_attention(
     seed: int = 0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: Backend | None = None,
+    window: int | None = None,
+    sink_keys: int = 0,
+    exact_key_mask: Array | None = None,
 ) -> Array:
     """Random-feature softmax attention in one line: draw a feature map from ``seed``, apply it.
 
@@ -570,8 +573,9 @@ def favor_attention(
     rebalance : bool, optional
         SADERF rebalancing; by default on for bidirectional and off for causal attention,
         for the same reason.
-    causal, key_mask, chunk_size, backend
-        As for :func:`linear_attention`.
+    causal, key_mask, chunk_size, backend, window, sink_keys, exact_key_mask
+        As for :func:`linear_attention`: with a window or sinks, the random features
+        estimate only the far keys.
     scale : float, optional
         Softmax scale; default ``1 / sqrt(d)``.
     seed : int, default 0
@@ -611,6 +615,9 @@ def favor_attention(
         key_mask=key_mask,
         chunk_size=chunk_size,
         backend=backend,
+        window=window,
+        sink_keys=sink_keys,
+        exact_key_mask=exact_key_mask,
     )
 
 
