@@ -253,6 +253,7 @@ def linear_attention(
             exact_key_mask=exact_key_mask,
             scale=scale,
         )
+    assert feature_map is not None  # None without exact parts raised above
     if scale is not None and scale != feature_map.scale:
         raise ValueError(
             f"scale is the feature map's ({feature_map.scale}) when one is given; got {scale}"
@@ -391,11 +392,35 @@ def _exact_parts_attention(
     if plan.compiled or plan.path == "dask-scan":
         # The far keys' partial needs each query's log-scale: the portable pass gives it.
         plan = _dispatch.causal_plan(q, feature_map, backend="array_api")
-    options = {"scale": scale, "statistics": statistics, "chunk_size": chunk_size, "plan": plan}
     if not causal:
-        rows = hybrid.bidirectional_attention(xp, q, k, v, keep, parts, feature_map, **options)
+        rows = hybrid.bidirectional_attention(
+            xp,
+            q,
+            k,
+            v,
+            keep,
+            parts,
+            feature_map,
+            scale=scale,
+            statistics=statistics,
+            chunk_size=chunk_size,
+            plan=plan,
+        )
         return xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
-    rows, fields = hybrid.causal_attention(xp, q, k, v, keep, parts, feature_map, state, **options)
+    rows, fields = hybrid.causal_attention(
+        xp,
+        q,
+        k,
+        v,
+        keep,
+        parts,
+        feature_map,
+        state,
+        scale=scale,
+        statistics=statistics,
+        chunk_size=chunk_size,
+        plan=plan,
+    )
     out = xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
     if not return_state:
         return out

@@ -457,10 +457,20 @@ def bidirectional_attention(
         found.append(banded_partial(xp, q, keys, values, kept, 2 * w - 1, scale))
     if feature_map is not None:
         kv, log_shift = state_arrays(xp, None, feature_map, batch, dv, q)
-        options = {"chunk_size": chunk_size, "plan": plan}
         if not w:
             part, _, _ = far_partial(
-                xp, q, k, v, rest, feature_map, statistics, kv, log_shift, causal=False, **options
+                xp,
+                q,
+                k,
+                v,
+                rest,
+                feature_map,
+                statistics,
+                kv,
+                log_shift,
+                causal=False,
+                chunk_size=chunk_size,
+                plan=plan,
             )
             found.append(part)
         else:
@@ -486,7 +496,8 @@ def bidirectional_attention(
                     kv,
                     log_shift,
                     causal=True,
-                    **options,
+                    chunk_size=chunk_size,
+                    plan=plan,
                 )
                 if reverse:
                     rows, log_scale = xp.flip(rows, axis=-2), xp.flip(log_scale, axis=-1)

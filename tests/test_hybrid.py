@@ -8,6 +8,7 @@ in exactly one part, nothing subtracted.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -30,10 +31,8 @@ def _near(causal: bool, window: int | None, sinks: int, exact: np.ndarray | None
     """``(..., L, L)``: keys in an exact part (before the key mask)."""
     t, j = np.arange(L)[:, None], np.arange(L)[None, :]
     w = window or 0
-    if causal:
-        near = (j <= t) & (((t - j) < w) | (j < sinks))
-    else:
-        near = (np.abs(t - j) < w) | (j < sinks)
+    within = ((t - j) < w) & (j <= t) if causal else np.abs(t - j) < w
+    near = within | ((j < sinks) & (j <= t) if causal else j < sinks)
     if exact is not None:
         near = near | exact[..., None, :]
     return near
@@ -103,7 +102,7 @@ def test_whole_equals_pieces_equals_tokens(
     whole = la.linear_attention(a(q), a(k), a(v), fm, key_mask=a(mask), **options)
     for cuts in ([0, 1, 3, 20, 21, L], list(range(L + 1))):
         state, pieces = None, []
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        for lo, hi in itertools.pairwise(cuts):
             out, state = la.linear_attention(
                 *(a(x[..., lo:hi, :]) for x in (q, k, v)),
                 fm,
@@ -121,7 +120,7 @@ def test_whole_equals_pieces_equals_tokens(
 
 
 def test_decoding_state_is_bounded_by_window_and_sinks() -> None:
-    q, k, v, mask = _inputs(3)
+    q, k, v, _ = _inputs(3)
     fm = la.FeatureMap(D, 16, seed=0)
     _, state = la.linear_attention(
         q, k, v, fm, causal=True, window=5, sink_keys=2, return_state=True
@@ -156,7 +155,7 @@ def test_a_window_covering_everything_is_softmax_attention(backend: Backend) -> 
 
 
 def test_favor_attention_takes_the_exact_parts() -> None:
-    q, k, v, mask = _inputs(6)
+    q, k, v, _ = _inputs(6)
     out = la.favor_attention(q, k, v, num_features=32, causal=True, window=L, seed=0)
     np.testing.assert_allclose(
         out, la.softmax_attention(q, k, v, causal=True), rtol=1e-10, atol=1e-12
@@ -243,7 +242,7 @@ def test_options_need_shared_positions_and_the_same_continuation() -> None:
     with pytest.raises(ValueError, match="same length"):
         la.linear_attention(q[..., :5, :], k, v, fm, window=3)
     _, state = la.linear_attention(q, k, v, fm, causal=True, window=3, return_state=True)
-    with pytest.raises(ValueError, match="window=3, sink_keys=0.*got window=4"):
+    with pytest.raises(ValueError, match=r"window=3, sink_keys=0.*got window=4"):
         la.linear_attention(q, k, v, fm, causal=True, window=4, state=state)
     with pytest.raises(ValueError, match="got window=None"):
         la.linear_attention(q, k, v, fm, causal=True, state=state)
