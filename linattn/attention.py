@@ -7,7 +7,7 @@ Inputs are checked once, here, before anything is computed.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import array_api_compat
 import numpy as np
@@ -330,6 +330,48 @@ def _exact_parts_attention(
     v: Array,
     feature_map: FeatureMap | None,
     *,
+    return_state: bool,
+    **options: Any,
+) -> Array | tuple[Array, LinearAttentionState]:
+    """:func:`linear_attention` with exact parts (:mod:`linattn.hybrid`)."""
+    call = exact_parts_call(q, k, v, feature_map, return_state=return_state, **options)
+    xp, info = call.info.xp, call.info
+    rows, far_state = hybrid.hybrid_rows(xp, call.parts)
+    out = xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
+    if not return_state:
+        return out
+    fields = {**call.fields, **far_state}
+    if fields["kv"] is None:  # no feature map: an empty random-feature state
+        like = xp.zeros((0,), dtype=compute_dtype(xp, info.dtype), device=info.device)
+        fields["kv"], fields["log_shift"] = empty_state(xp, call.batch, 0, info.value_dim, like)
+    state = options["state"]
+    previous = 0 if state is None else state.num_tokens
+    return out, LinearAttentionState(
+        feature_map=EXACT_FINGERPRINT if feature_map is None else feature_map.fingerprint,
+        num_tokens=previous + info.key_length,
+        window=call.exact.window,
+        sink_keys=call.exact.sink_keys,
+        **fields,
+    )
+
+
+class ExactPartsCall(NamedTuple):
+    """A checked call with exact parts: its inputs, parts and new state caches."""
+
+    info: Any
+    exact: hybrid.ExactParts
+    parts: list[hybrid.Part]
+    fields: dict[str, Any]
+    batch: tuple[int, ...]
+    keep: Array
+
+
+def exact_parts_call(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap | None,
+    *,
     causal: bool,
     key_mask: Array | None,
     state: LinearAttentionState | None,
@@ -340,9 +382,12 @@ def _exact_parts_attention(
     sink_keys: int,
     exact_key_mask: Array | None,
     scale: float | None,
-) -> Array | tuple[Array, LinearAttentionState]:
-    """:func:`linear_attention` with exact parts (:mod:`linattn.hybrid`)."""
-    extra = {} if state is None else _state_arrays(state)
+    extra: dict[str, Array] | None = None,
+) -> ExactPartsCall:
+    """Check a call with exact parts and build its parts (shared with the VJP)."""
+    extra = dict(extra or {})
+    if state is not None:
+        extra.update(_state_arrays(state))
     if exact_key_mask is not None:
         extra["exact_key_mask"] = exact_key_mask
     head_dim = None if feature_map is None else feature_map.head_dim
@@ -352,7 +397,7 @@ def _exact_parts_attention(
     chunk_size = check_chunk_size(chunk_size)
     check_state_options(causal, state, return_state)
     xp = info.xp
-    parts = hybrid.check_exact_parts(
+    exact = hybrid.check_exact_parts(
         window,
         sink_keys,
         exact_key_mask,
@@ -363,7 +408,7 @@ def _exact_parts_attention(
         key_length=info.key_length,
         k=k,
     )
-    assert parts is not None
+    assert exact is not None
     if feature_map is None:
         scale = check_scale(scale, info.query_head_dim)
     elif scale is not None and scale != feature_map.scale:
@@ -392,48 +437,37 @@ def _exact_parts_attention(
     if plan.compiled or plan.path == "dask-scan":
         # The far keys' partial needs each query's log-scale: the portable pass gives it.
         plan = _dispatch.causal_plan(q, feature_map, backend="array_api")
-    if not causal:
-        rows = hybrid.bidirectional_attention(
+    fields: dict[str, Any] = {}
+    if causal:
+        found, fields = hybrid.causal_parts(
             xp,
             q,
             k,
             v,
             keep,
-            parts,
+            exact,
+            feature_map,
+            state,
+            scale=scale,
+            statistics=statistics,
+            chunk_size=chunk_size,
+            plan=plan,
+        )
+    else:
+        found = hybrid.bidirectional_parts(
+            xp,
+            q,
+            k,
+            v,
+            keep,
+            exact,
             feature_map,
             scale=scale,
             statistics=statistics,
             chunk_size=chunk_size,
             plan=plan,
         )
-        return xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
-    rows, fields = hybrid.causal_attention(
-        xp,
-        q,
-        k,
-        v,
-        keep,
-        parts,
-        feature_map,
-        state,
-        scale=scale,
-        statistics=statistics,
-        chunk_size=chunk_size,
-        plan=plan,
-    )
-    out = xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
-    if not return_state:
-        return out
-    if fields["kv"] is None:  # no feature map: an empty random-feature state
-        fields["kv"], fields["log_shift"] = empty_state(xp, batch, 0, info.value_dim, q)
-    previous = 0 if state is None else state.num_tokens
-    return out, LinearAttentionState(
-        feature_map=EXACT_FINGERPRINT if feature_map is None else feature_map.fingerprint,
-        num_tokens=previous + lk,
-        window=parts.window,
-        sink_keys=parts.sink_keys,
-        **fields,
-    )
+    return ExactPartsCall(info, exact, found, fields, batch, keep)
 
 
 def attention_operands(

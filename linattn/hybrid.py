@@ -169,104 +169,305 @@ def banded_partial(
     ``B >= span`` queries see their own key block and the next (``(B, 2B)`` logits),
     so the cost is ``O(T B d)``, linear in ``T``.
     """
-    length = q.shape[-2]
-    size = max(span, MIN_BAND_BLOCK)
-    count = -(-length // size)
-    device = array_api_compat.device(q)
-
-    def blocked(x: Array, total: int, fill: float | bool) -> Array:
-        pad = total - x.shape[-2]
-        if pad > 0:
-            tail = xp.full((*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=device)
-            x = xp.concat([x, tail], axis=-2)
-        elif pad < 0:
-            x = x[..., :total, :]
-        return xp.reshape(x, (*x.shape[:-2], total // size, size, x.shape[-1]))
-
-    def pairs(x: Array) -> Array:  # each block with the next: (..., N, 2B, .)
-        return xp.concat([x[..., :count, :, :], x[..., 1:, :, :]], axis=-2)
-
-    total = (count + 1) * size
-    queries = blocked(q, count * size, 0.0)
-    band_keys = pairs(blocked(keys[..., 1:, :], total, 0.0))
-    band_values = pairs(blocked(values[..., 1:, :], total, 0.0))
-    band_keep = pairs(blocked(keep[..., 1:, None], total, False))[..., 0]
-    offsets = np.arange(2 * size)[None, :] - np.arange(size)[:, None]
-    band = from_host(xp, (offsets >= 0) & (offsets < span), dtype=xp.bool, device=device)
-    visible = xp.logical_and(band, band_keep[..., None, :])
-    logits = xp.matmul(queries, xp.matrix_transpose(band_keys)) * scale
-    rows, top = softmax_partial(xp, logits, visible, band_values)
-
-    def tokens(x: Array) -> Array:
-        x = xp.reshape(x, (*x.shape[:-3], count * size, x.shape[-1]))
-        return x[..., :length, :]
-
-    return tokens(rows), tokens(top[..., None])[..., 0]
+    band = Band.of(xp, q, keys, values, keep, span)
+    logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * scale
+    rows, top = softmax_partial(xp, logits, band.visible, band.values)
+    return band.tokens(xp, rows), band.tokens(xp, top[..., None])[..., 0]
 
 
-def far_partial(
+@dataclass(frozen=True)
+class Band:
+    """The window part's blocks: ``(..., N, B, .)`` queries, ``(..., N, 2B, .)`` keys."""
+
+    queries: Array
+    keys: Array
+    values: Array
+    visible: Array  # (..., N, B, 2B)
+    length: int  # T
+    key_length: int  # T + span
+    size: int  # B
+
+    @classmethod
+    def of(
+        cls, xp: Namespace, q: Array, keys: Array, values: Array, keep: Array, span: int
+    ) -> Band:
+        length = q.shape[-2]
+        size = max(span, MIN_BAND_BLOCK)
+        count = -(-length // size)
+        total = (count + 1) * size
+        device = array_api_compat.device(q)
+
+        def pairs(x: Array) -> Array:  # each block with the next: (..., N, 2B, .)
+            x = _blocked(xp, x, total, size, 0.0 if x.dtype != xp.bool else False)
+            return xp.concat([x[..., :count, :, :], x[..., 1:, :, :]], axis=-2)
+
+        offsets = np.arange(2 * size)[None, :] - np.arange(size)[:, None]
+        band = from_host(xp, (offsets >= 0) & (offsets < span), dtype=xp.bool, device=device)
+        band_keep = pairs(keep[..., 1:, None])[..., 0]
+        return cls(
+            queries=_blocked(xp, q, count * size, size, 0.0),
+            keys=pairs(keys[..., 1:, :]),
+            values=pairs(values[..., 1:, :]),
+            visible=xp.logical_and(band, band_keep[..., None, :]),
+            length=length,
+            key_length=keys.shape[-2],
+            size=size,
+        )
+
+    def tokens(self, xp: Namespace, x: Array) -> Array:
+        """Query blocks ``(..., N, B, .)`` back to queries ``(..., T, .)``."""
+        x = xp.reshape(x, (*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1]))
+        return x[..., : self.length, :]
+
+    def key_tokens(self, xp: Namespace, x: Array) -> Array:
+        """Cotangents of paired key blocks ``(..., N, 2B, .)`` back to ``(..., T + span, .)``.
+
+        The adjoint of :meth:`of`'s pairing: block ``b`` collects its own first half and
+        the second half of block ``b - 1``.
+        """
+        size = self.size
+        zero = xp.zeros_like(x[..., :1, :size, :])
+        first = xp.concat([x[..., :size, :], zero], axis=-3)
+        second = xp.concat([zero, x[..., size:, :]], axis=-3)
+        flat = self.tokens_of(xp, first + second)
+        need = self.key_length - 1
+        if flat.shape[-2] >= need:
+            flat = flat[..., :need, :]
+        else:
+            pad = xp.zeros(
+                (*flat.shape[:-2], need - flat.shape[-2], flat.shape[-1]),
+                dtype=flat.dtype,
+                device=array_api_compat.device(flat),
+            )
+            flat = xp.concat([flat, pad], axis=-2)
+        return xp.concat([xp.zeros_like(flat[..., :1, :]), flat], axis=-2)
+
+    @staticmethod
+    def tokens_of(xp: Namespace, x: Array) -> Array:
+        return xp.reshape(x, (*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1]))
+
+
+def _blocked(xp: Namespace, x: Array, total: int, size: int, fill: float | bool) -> Array:
+    """Rows ``(..., n, .)`` padded with ``fill`` or cut to ``total``, as blocks of ``size``."""
+    pad = total - x.shape[-2]
+    if pad > 0:
+        device = array_api_compat.device(x)
+        tail = xp.full((*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=device)
+        x = xp.concat([x, tail], axis=-2)
+    elif pad < 0:
+        x = x[..., :total, :]
+    return xp.reshape(x, (*x.shape[:-2], total // size, size, x.shape[-1]))
+
+
+class Part:
+    """One part of the keys: its partial :meth:`rows`, and the adjoint :meth:`backward`.
+
+    ``backward(g)`` takes the cotangent of the part's rows (its log-scale held constant,
+    as every stabiliser is: the merged output does not depend on it) and returns the
+    cotangents ``(dq, dk, dv)`` of the call's (broadcast) inputs; ``None`` for none.
+    """
+
+    def rows(self, xp: Namespace) -> Partial:
+        raise NotImplementedError
+
+    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ExactKeysPart(Part):
+    """Every query against a few gathered keys ``K = take(k)``, exact weights."""
+
+    q: Array
+    keys: Array  # (..., E, d)
+    values: Array  # (..., E, d_v)
+    visible: Array  # (..., T, E)
+    scale: float
+    scatter: Any  # cotangent of (keys or values) (..., E, .) -> that of k or v (..., L, .)
+
+    def rows(self, xp: Namespace) -> Partial:
+        logits = xp.matmul(self.q, xp.matrix_transpose(self.keys)) * self.scale
+        return softmax_partial(xp, logits, self.visible, self.values)
+
+    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+        logits = xp.matmul(self.q, xp.matrix_transpose(self.keys)) * self.scale
+        dq, dk, dv = _softmax_backward(
+            xp, self.q, self.keys, self.values, logits, self.visible, self.scale, g
+        )
+        return dq, self.scatter(dk), self.scatter(dv)
+
+
+@dataclass(frozen=True)
+class WindowPart(Part):
+    """Query ``i`` against ``keys[i + 1 .. i + span]`` (:func:`banded_partial`)."""
+
+    q: Array
+    keys: Array  # (..., T + span, d): the band's keys in position order
+    values: Array
+    keep: Array
+    span: int
+    scale: float
+    first: int  # keys[first + j] is key j of the call
+
+    def rows(self, xp: Namespace) -> Partial:
+        return banded_partial(xp, self.q, self.keys, self.values, self.keep, self.span, self.scale)
+
+    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+        band = Band.of(xp, self.q, self.keys, self.values, self.keep, self.span)
+        logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * self.scale
+        g = _blocked(xp, g, band.queries.shape[-3] * band.size, band.size, 0.0)
+        dq, dk, dv = _softmax_backward(
+            xp, band.queries, band.keys, band.values, logits, band.visible, self.scale, g
+        )
+        calls = slice(self.first, self.first + self.q.shape[-2])  # the call's own keys
+        dk, dv = (band.key_tokens(xp, x)[..., calls, :] for x in (dk, dv))
+        return band.tokens(xp, dq), dk, dv
+
+
+@dataclass(frozen=True)
+class FarPart(Part):
+    """The far keys by random features; causal parts see keys lagged by ``lag``.
+
+    ``reverse`` runs the causal pass on the reversed sequence (keys ``j >= t + lag``).
+    """
+
+    q: Array
+    k: Array  # the call's keys (unlagged, in order)
+    v: Array
+    keep: Array  # which of the call's keys are far keys
+    feature_map: Any
+    statistics: Any
+    causal: bool
+    lag: int
+    reverse: bool
+    chunk_size: int
+    plan: _dispatch.Plan
+    kv: Array
+    log_shift: Array
+    lead: tuple[Array, Array, Array] | None = None  # keys before the call (the window cache)
+
+    def operands(self, xp: Namespace) -> tuple[Array, ...]:
+        """Queries, the lagged keys, values and keep, reversed where asked."""
+        q, k, v, keep = self.q, self.k, self.v, self.keep
+        if self.reverse:
+            q, k, v = (xp.flip(x, axis=-2) for x in (q, k, v))
+            keep = xp.flip(keep, axis=-1)
+        if self.causal and (self.lag or self.lead is not None):
+            length, batch = q.shape[-2], tuple(q.shape[:-2])
+            if self.lead is None:
+                lead = (
+                    _zeros(xp, (*batch, self.lag, k.shape[-1]), k),
+                    _zeros(xp, (*batch, self.lag, v.shape[-1]), v),
+                    _no_keys(xp, (*batch, self.lag), array_api_compat.device(k)),
+                )
+            else:
+                lead = self.lead
+            k = xp.concat([lead[0], k], axis=-2)[..., :length, :]
+            v = xp.concat([lead[1], v], axis=-2)[..., :length, :]
+            keep = xp.concat([lead[2], keep], axis=-1)[..., :length]
+        return q, k, v, keep
+
+    def features(self, xp: Namespace, q: Array, k: Array, keep: Array) -> tuple[Array, ...]:
+        fm, stats = self.feature_map, self.statistics
+        log_phi_q, sign_q = fm.signed_log_features(q, role="query", statistics=stats)
+        log_phi_k, sign_k = fm.signed_log_features(k, role="key", statistics=stats)
+        log_phi_k = xp.where(keep[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
+        return log_phi_q, sign_q, log_phi_k, sign_k
+
+    def rows(self, xp: Namespace) -> Partial:
+        return self.run(xp)[0]
+
+    def run(self, xp: Namespace) -> tuple[Partial, Array, Array]:
+        """``((P, c), kv, log_shift)``: the partial and the state after the keys."""
+        q, k, v, keep = self.operands(xp)
+        log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
+        values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
+        kv, log_shift = self.kv, self.log_shift
+        if self.causal:
+            rows, kv, log_shift, log_scale = causal_path.causal(
+                xp,
+                log_phi_q,
+                sign_q,
+                log_phi_k,
+                sign_k,
+                values_aug,
+                kv,
+                log_shift,
+                self.chunk_size,
+                tokens_per_pass=self.plan.tokens_per_pass,
+                return_log_scale=True,
+            )
+        else:
+            rows, log_scale = causal_path.bidirectional(
+                xp,
+                log_phi_q,
+                sign_q,
+                log_phi_k,
+                sign_k,
+                values_aug,
+                kv,
+                log_shift,
+                return_log_scale=True,
+            )
+        # A row that saw no key holds nothing: its scale must not outweigh the others.
+        log_scale = xp.where(rows[..., -1] == 0, constant(xp, -math.inf, log_scale), log_scale)
+        if self.reverse:
+            rows, log_scale = xp.flip(rows, axis=-2), xp.flip(log_scale, axis=-1)
+        return (rows, log_scale), kv, log_shift
+
+    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+        from linattn.vjp import _bidirectional_vjp, causal_vjp
+
+        if self.reverse:
+            g = xp.flip(g, axis=-2)
+        q, k, v, keep = self.operands(xp)
+        log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
+        values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
+        operands = (log_phi_q, sign_q, log_phi_k, sign_k, values_aug, g)
+        if self.causal:
+            d_lq, d_lk, d_va = causal_vjp(xp, *operands, self.chunk_size)
+        else:
+            d_lq, d_lk, d_va = _bidirectional_vjp(xp, *operands)
+        fm, stats = self.feature_map, self.statistics
+        dq = fm.log_features_vjp(q, d_lq, role="query", statistics=stats)
+        dk = fm.log_features_vjp(k, d_lk, role="key", statistics=stats)
+        dv = d_va[..., :-1]
+        if self.causal and self.lag:  # lagged key i is the call's key i - lag
+            length = q.shape[-2]
+            dk, dv = (
+                xp.concat([x[..., self.lag :, :], xp.zeros_like(x[..., : self.lag, :])], axis=-2)
+                if self.lag < length
+                else xp.zeros_like(x)
+                for x in (dk, dv)
+            )
+        if self.reverse:
+            dq, dk, dv = (xp.flip(x, axis=-2) for x in (dq, dk, dv))
+        return dq, dk, dv
+
+
+def _softmax_backward(
     xp: Namespace,
     q: Array,
     keys: Array,
     values: Array,
-    keep: Array,
-    feature_map: Any,
-    statistics: Any,
-    kv: Array,
-    log_shift: Array,
-    *,
-    causal: bool,
-    chunk_size: int,
-    plan: _dispatch.Plan,
-) -> tuple[Partial, Array, Array]:
-    """The far keys by random features: ``((P, c), kv, log_shift)``.
-
-    Causal: query ``t`` against keys ``0 .. t`` of ``keys`` (already lagged by the
-    caller) and the incoming state.  Bidirectional: every query against every key.
-    """
-    log_phi_q, sign_q = feature_map.signed_log_features(q, role="query", statistics=statistics)
-    log_phi_k, sign_k = feature_map.signed_log_features(keys, role="key", statistics=statistics)
-    log_phi_k = xp.where(keep[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
-    batch = tuple(kv.shape[:-2])
-    m = feature_map.num_features
-    log_phi_q = xp.broadcast_to(log_phi_q, (*batch, q.shape[-2], m))
-    log_phi_k = xp.broadcast_to(log_phi_k, (*batch, keys.shape[-2], m))
-    if sign_q is not None:
-        sign_q = xp.broadcast_to(sign_q, tuple(log_phi_q.shape))
-    if sign_k is not None:
-        sign_k = xp.broadcast_to(sign_k, tuple(log_phi_k.shape))
-    values_aug = xp.concat([values, xp.ones_like(values[..., :1])], axis=-1)
-    values_aug = xp.broadcast_to(values_aug, (*batch, *values_aug.shape[-2:]))
-    if causal:
-        rows, kv, log_shift, log_scale = causal_path.causal(
-            xp,
-            log_phi_q,
-            sign_q,
-            log_phi_k,
-            sign_k,
-            values_aug,
-            kv,
-            log_shift,
-            chunk_size,
-            tokens_per_pass=plan.tokens_per_pass,
-            return_log_scale=True,
-        )
-    else:
-        rows, log_scale = causal_path.bidirectional(
-            xp,
-            log_phi_q,
-            sign_q,
-            log_phi_k,
-            sign_k,
-            values_aug,
-            kv,
-            log_shift,
-            return_log_scale=True,
-        )
-    # A row that saw no key holds nothing: its scale must not outweigh the others.
-    empty = rows[..., -1] == 0
-    log_scale = xp.where(empty, constant(xp, -math.inf, log_scale), log_scale)
-    return (rows, log_scale), kv, log_shift
+    logits: Array,
+    visible: Array,
+    scale: float,
+    g: Array,
+) -> tuple[Array, Array, Array]:
+    """Adjoint of :func:`softmax_partial` on ``logits = scale q k^T`` (row max constant)."""
+    logits = xp.where(visible, logits, constant(xp, -math.inf, logits))
+    top = safe_shift(xp, xp.max(logits, axis=-1))
+    weights = xp.exp(logits - top[..., None])
+    g_num, g_den = g[..., :-1], g[..., -1:]
+    d_weights = xp.matmul(g_num, xp.matrix_transpose(values)) + g_den
+    d_logits = d_weights * weights * scale
+    t = xp.matrix_transpose
+    return (
+        xp.matmul(d_logits, keys),
+        xp.matmul(t(d_logits), q),
+        xp.matmul(t(weights), g_num),
+    )
 
 
 def _positions(xp: Namespace, start: Any, count: int, device: Any) -> Array:
@@ -285,7 +486,33 @@ def _no_keys(xp: Namespace, shape: tuple[int, ...], device: Any) -> Array:
     return xp.zeros(shape, dtype=xp.bool, device=device)
 
 
-def causal_attention(
+def _pad_keys(xp: Namespace, x: Array, before: int, after: int) -> Array:
+    """``x`` with ``before`` and ``after`` zero rows (``False`` for a keep array)."""
+    if x.dtype == xp.bool:
+        shape = tuple(x.shape[:-1])
+        device = array_api_compat.device(x)
+        pieces = [_no_keys(xp, (*shape, before), device), x, _no_keys(xp, (*shape, after), device)]
+        return xp.concat([p for p in pieces if p.shape[-1]], axis=-1)
+    shape = tuple(x.shape[:-2])
+    pieces = [
+        _zeros(xp, (*shape, before, x.shape[-1]), x),
+        x,
+        _zeros(xp, (*shape, after, x.shape[-1]), x),
+    ]
+    return xp.concat([p for p in pieces if p.shape[-2]], axis=-2)
+
+
+def _scatter_first(xp: Namespace, length: int) -> Any:
+    """The adjoint of taking the first rows of ``length`` (padded): cut or pad the cotangent."""
+
+    def adjoint(d: Array) -> Array:
+        rows = d.shape[-2]
+        return d[..., :length, :] if rows >= length else _pad_keys(xp, d, 0, length - rows)
+
+    return adjoint
+
+
+def causal_parts(
     xp: Namespace,
     q: Array,
     k: Array,
@@ -299,8 +526,8 @@ def causal_attention(
     statistics: Any,
     chunk_size: int,
     plan: _dispatch.Plan,
-) -> tuple[Array, dict[str, Any]]:
-    """Causal hybrid attention: ``(rows, new state fields)``; inputs broadcast to one batch.
+) -> tuple[list[Part], dict[str, Any]]:
+    """The parts of causal hybrid attention and the new state's exact caches.
 
     Keys are indexed by absolute position ``n + i`` (``n = state.num_tokens``).  The
     extended keys ``E`` are the state's last ``w`` keys followed by this call's, so
@@ -319,50 +546,71 @@ def causal_attention(
             _zeros(xp, (*batch, w, dv), q),
             _no_keys(xp, (*batch, w), device),
         )
-    keys = xp.concat([xp.broadcast_to(recent[0], (*batch, w, d)), k], axis=-2)
-    values = xp.concat([xp.broadcast_to(recent[1], (*batch, w, dv)), v], axis=-2)
-    kept = xp.concat([xp.broadcast_to(recent[2], (*batch, w)), keep], axis=-1)
+    lead = (
+        xp.broadcast_to(recent[0], (*batch, w, d)),
+        xp.broadcast_to(recent[1], (*batch, w, dv)),
+        xp.broadcast_to(recent[2], (*batch, w)),
+    )
     not_sink = _positions(xp, n - w, w + length, device) >= s
-    found: list[Partial] = []
+    kept = xp.logical_and(xp.concat([lead[2], keep], axis=-1), not_sink)
+    found: list[Part] = []
     sinks = None
     if s:
         sinks = _updated_sinks(xp, state, k, v, keep, n, s)
-        sink_k, sink_v, sink_keep = sinks
         seen = _positions(xp, 0, s, device)[None, :] <= _positions(xp, n, length, device)[:, None]
-        visible = xp.logical_and(seen, sink_keep[..., None, :])
-        logits = xp.matmul(q, xp.matrix_transpose(sink_k)) * scale
-        found.append(softmax_partial(xp, logits, visible, sink_v))
+        visible = xp.logical_and(seen, sinks[2][..., None, :])
+        # Without a state the sinks are the call's first keys (and take their gradients).
+        scatter = _scatter_first(xp, length) if state is None else _no_gradient
+        found.append(ExactKeysPart(q, sinks[0], sinks[1], visible, scale, scatter))
+    keys = xp.concat([lead[0], k], axis=-2)
+    values = xp.concat([lead[1], v], axis=-2)
     if w:
-        window_keep = xp.logical_and(kept, not_sink)
-        found.append(banded_partial(xp, q, keys, values, window_keep, w, scale))
-    kv = log_shift = None
+        found.append(WindowPart(q, keys, values, kept, w, scale, first=w))
+    fields: dict[str, Any] = {"kv": None, "log_shift": None, "sinks": sinks, "recent": None}
+    if w:
+        fields["recent"] = (
+            keys[..., length:, :],
+            values[..., length:, :],
+            xp.concat([lead[2], keep], axis=-1)[..., length:],
+        )
     if feature_map is not None:
         kv, log_shift = state_arrays(xp, state, feature_map, batch, dv, q)
-        far_keep = xp.logical_and(kept[..., :length], not_sink[:length])
-        part, kv, log_shift = far_partial(
-            xp,
+        far = FarPart(
             q,
-            keys[..., :length, :],
-            values[..., :length, :],
-            far_keep,
+            k,
+            v,
+            xp.logical_and(keep, not_sink[w:]),
             feature_map,
             statistics,
-            kv,
-            log_shift,
             causal=True,
+            lag=w,
+            reverse=False,
             chunk_size=chunk_size,
             plan=plan,
+            kv=kv,
+            log_shift=log_shift,
+            lead=None if state is None else (lead[0], lead[1], kept[..., :w]),
         )
-        found.append(part)
-    fields = {
-        "kv": kv,
-        "log_shift": log_shift,
-        "recent": (keys[..., length:, :], values[..., length:, :], kept[..., length:])
-        if w
-        else None,
-        "sinks": sinks,
-    }
-    return merge(xp, found), fields
+        found.append(far)
+    return found, fields
+
+
+def _no_gradient(d: Array) -> None:
+    """Sinks from a state: no cotangent reaches this call's inputs (no VJP with a state)."""
+    return None
+
+
+def hybrid_rows(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:
+    """Merged rows of all parts, and the far part's state (``kv``, ``log_shift``)."""
+    partials, state = [], {}
+    for part in found:
+        if isinstance(part, FarPart) and part.causal and not part.reverse:
+            partial, kv, log_shift = part.run(xp)
+            state = {"kv": kv, "log_shift": log_shift}
+        else:
+            partial = part.rows(xp)
+        partials.append(partial)
+    return merge(xp, partials), state
 
 
 def state_arrays(
@@ -397,7 +645,12 @@ def _updated_sinks(
     new_k = xp.take(k, take, axis=-2)
     new_v = xp.take(v, take, axis=-2)
     new_keep = xp.take(keep, take, axis=-1)
-    if state is None or state.sinks is None:
+    if state is None:  # the call's first keys, as they are (and their gradients)
+        pad = max(0, s - length)
+        return tuple(
+            _pad_keys(xp, x, 0, pad) for x in (k[..., :s, :], v[..., :s, :], keep[..., :s])
+        )
+    if state.sinks is None:
         old_k = _zeros(xp, (*batch, s, k.shape[-1]), k)
         old_v = _zeros(xp, (*batch, s, v.shape[-1]), v)
         old_keep = _no_keys(xp, (*batch, s), device)
@@ -410,7 +663,7 @@ def _updated_sinks(
     )
 
 
-def bidirectional_attention(
+def bidirectional_parts(
     xp: Namespace,
     q: Array,
     k: Array,
@@ -423,13 +676,13 @@ def bidirectional_attention(
     statistics: Any,
     chunk_size: int,
     plan: _dispatch.Plan,
-) -> Array:
-    """Bidirectional hybrid attention, unnormalised rows; inputs broadcast to one batch.
+) -> list[Part]:
+    """The parts of bidirectional hybrid attention; inputs broadcast to one batch.
 
     The far keys of a window are two lagged causal passes, forward (``j <= t - w``) and
     on the reversed sequence (``j >= t + w``): never one global state minus the window.
     """
-    length, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    length = q.shape[-2]
     batch = tuple(q.shape[:-2])
     device = array_api_compat.device(q)
     w, s = parts.lag, parts.sink_keys
@@ -437,75 +690,37 @@ def bidirectional_attention(
     if parts.exact_key_mask is not None:
         exact = xp.logical_or(exact, parts.exact_key_mask)
     exact = xp.broadcast_to(exact, (*batch, length))
-    found: list[Partial] = []
+    found: list[Part] = []
     if s or parts.exact_key_mask is not None:
-        found.append(
-            _exact_keys_partial(xp, q, k, v, xp.logical_and(keep, exact), s, parts, scale)
-        )
+        found.append(_exact_keys_part(xp, q, k, v, xp.logical_and(keep, exact), s, parts, scale))
     rest = xp.logical_and(keep, xp.logical_not(exact))
     if w:
-        keys = xp.concat(
-            [_zeros(xp, (*batch, w, d), k), k, _zeros(xp, (*batch, w - 1, d), k)], axis=-2
-        )
-        values = xp.concat(
-            [_zeros(xp, (*batch, w, dv), v), v, _zeros(xp, (*batch, w - 1, dv), v)], axis=-2
-        )
-        kept = xp.concat(
-            [_no_keys(xp, (*batch, w), device), rest, _no_keys(xp, (*batch, w - 1), device)],
-            axis=-1,
-        )
-        found.append(banded_partial(xp, q, keys, values, kept, 2 * w - 1, scale))
+        keys, values, kept = (_pad_keys(xp, x, w, w - 1) for x in (k, v, rest))
+        found.append(WindowPart(q, keys, values, kept, 2 * w - 1, scale, first=w))
     if feature_map is not None:
-        kv, log_shift = state_arrays(xp, None, feature_map, batch, dv, q)
-        if not w:
-            part, _, _ = far_partial(
-                xp,
-                q,
-                k,
-                v,
-                rest,
-                feature_map,
-                statistics,
-                kv,
-                log_shift,
-                causal=False,
-                chunk_size=chunk_size,
-                plan=plan,
-            )
-            found.append(part)
-        else:
-            for reverse in (False, True):
-                qs, ks, vs, ms = (
-                    xp.flip(x, axis=-2) if reverse else x for x in (q, k, v, rest[..., None])
-                )
-                lagged_k = xp.concat([_zeros(xp, (*batch, w, d), k), ks], axis=-2)[..., :length, :]
-                lagged_v = xp.concat([_zeros(xp, (*batch, w, dv), v), vs], axis=-2)[
-                    ..., :length, :
-                ]
-                lagged_keep = xp.concat([_no_keys(xp, (*batch, w), device), ms[..., 0]], axis=-1)[
-                    ..., :length
-                ]
-                (rows, log_scale), _, _ = far_partial(
-                    xp,
-                    qs,
-                    lagged_k,
-                    lagged_v,
-                    lagged_keep,
+        kv, log_shift = state_arrays(xp, None, feature_map, batch, v.shape[-1], q)
+        for reverse in (False, True) if w else (False,):
+            found.append(
+                FarPart(
+                    q,
+                    k,
+                    v,
+                    rest,
                     feature_map,
                     statistics,
-                    kv,
-                    log_shift,
-                    causal=True,
+                    causal=bool(w),
+                    lag=w,
+                    reverse=reverse,
                     chunk_size=chunk_size,
                     plan=plan,
+                    kv=kv,
+                    log_shift=log_shift,
                 )
-                if reverse:
-                    rows, log_scale = xp.flip(rows, axis=-2), xp.flip(log_scale, axis=-1)
-                found.append((rows, log_scale))
-    return merge(xp, found)
+            )
+    return found
 
 
-def _exact_keys_partial(
+def _exact_keys_part(
     xp: Namespace,
     q: Array,
     k: Array,
@@ -514,27 +729,35 @@ def _exact_keys_partial(
     s: int,
     parts: ExactParts,
     scale: float,
-) -> Partial:
+) -> Part:
     """Every query against the exact keys (sinks, ``exact_key_mask``), gathered first.
 
     Sinks alone are the first ``s`` keys.  Otherwise each batch row's chosen keys are
     gathered (a one-hot product, portable and differentiable) into ``E`` slots, ``E``
     the largest count in the batch (every key while tracing, where counts are unknown).
     """
+    length = k.shape[-2]
     if parts.exact_key_mask is None:
-        keys, values, kept = k[..., :s, :], v[..., :s, :], chosen[..., :s]
-    else:
-        length = k.shape[-2]
-        count = _static_count(xp, chosen, length)
-        rank = xp.argsort(xp.astype(xp.logical_not(chosen), xp.int8), axis=-1, stable=True)
-        rank = rank[..., :count]
-        where_from = rank[..., :, None] == xp.arange(length, device=array_api_compat.device(k))
-        select = xp.astype(where_from, k.dtype)  # (..., E, L)
-        keys, values = xp.matmul(select, k), xp.matmul(select, v)
-        kept = xp.any(xp.logical_and(where_from, chosen[..., None, :]), axis=-1)
-    logits = xp.matmul(q, xp.matrix_transpose(keys)) * scale
-    visible = xp.broadcast_to(kept[..., None, :], tuple(logits.shape))
-    return softmax_partial(xp, logits, visible, values)
+        s = min(s, length)
+        visible = xp.broadcast_to(chosen[..., None, :s], (*chosen.shape[:-1], length, s))
+        return ExactKeysPart(
+            q, k[..., :s, :], v[..., :s, :], visible, scale, _scatter_first(xp, length)
+        )
+    count = _static_count(xp, chosen, length)
+    rank = xp.argsort(xp.astype(xp.logical_not(chosen), xp.int8), axis=-1, stable=True)
+    rank = rank[..., :count]
+    where_from = rank[..., :, None] == xp.arange(length, device=array_api_compat.device(k))
+    select = xp.astype(where_from, k.dtype)  # (..., E, L)
+    kept = xp.any(xp.logical_and(where_from, chosen[..., None, :]), axis=-1)
+    visible = xp.broadcast_to(kept[..., None, :], (*kept.shape[:-1], length, count))
+    return ExactKeysPart(
+        q,
+        xp.matmul(select, k),
+        xp.matmul(select, v),
+        visible,
+        scale,
+        lambda d: xp.matmul(xp.matrix_transpose(select), d),
+    )
 
 
 def _static_count(xp: Namespace, chosen: Array, length: int) -> int:
@@ -547,3 +770,28 @@ def _static_count(xp: Namespace, chosen: Array, length: int) -> int:
         return max(1, int(xp.max(xp.sum(xp.astype(chosen, xp.int32), axis=-1))))
     except Exception:  # a tracing framework that cannot give the value (torch.compile)
         return length
+
+
+def parts_vjp(
+    xp: Namespace, found: list[Part], grad: Array
+) -> tuple[Array | None, Array | None, Array | None]:
+    """Cotangents ``(dq, dk, dv)`` of the broadcast inputs from that of the output.
+
+    The merge's scales and every part's stabilisers are held constant: the output is
+    invariant to them (numerator and denominator share them), so this is exact.
+    """
+    from linattn.vjp import _normalise_vjp
+
+    partials = [part.rows(xp) for part in found]
+    g_rows = _normalise_vjp(xp, merge(xp, partials), grad)
+    top = partials[0][1]
+    for _, scale in partials[1:]:
+        top = xp.maximum(top, scale)
+    top = safe_shift(xp, top)
+    totals: list[Array | None] = [None, None, None]
+    for part, (_, scale) in zip(found, partials, strict=True):
+        grads = part.backward(xp, xp.exp(scale - top)[..., None] * g_rows)
+        for i, g in enumerate(grads):
+            if g is not None:
+                totals[i] = g if totals[i] is None else totals[i] + g
+    return totals[0], totals[1], totals[2]

@@ -295,3 +295,43 @@ def test_calibrate_leaves_padded_queries_out() -> None:
     assert fm.calibrate(padded_q, k, key_mask=keep).oprf_a != pytest.approx(reference.oprf_a)
     with pytest.raises(ValueError, match=r"query_mask must have shape \(10,\)"):
         fm.calibrate(q, k, query_mask=keep[:, :5])
+
+
+@pytest.mark.parametrize("with_features", [True, False])
+@pytest.mark.parametrize(
+    ("causal", "options"),
+    [
+        (True, {"window": 4, "sink_keys": 2}),
+        (True, {"sink_keys": 3}),
+        (False, {"window": 4, "sink_keys": 2}),
+        (False, {"window": 3, "sink_keys": 1, "exact": True}),
+        (False, {"sink_keys": 2}),
+    ],
+)
+def test_vjp_equals_central_differences(causal: bool, options: dict, with_features: bool) -> None:
+    q, k, v, mask = (x[:, :1, :13] for x in _inputs(10))
+    options = dict(options)
+    if options.pop("exact", False):
+        exact = np.zeros((B, 1, 13), dtype=bool)
+        exact[:, :, 6] = True
+        exact[1, :, 11] = True
+        options["exact_key_mask"] = exact
+    fm = la.FeatureMap(D, 8, seed=0) if with_features else None
+    grad = np.random.default_rng(0).normal(size=q.shape)
+    kw = {"causal": causal, "key_mask": mask, **options}
+    grads = la.linear_attention_vjp(q, k, v, fm, grad, **kw)
+    eps = 1e-6
+    for which, g in enumerate(grads):
+        for index in [(0, 0, 0, 0), (1, 0, 5, 3), (0, 0, 12, 7), (1, 0, 11, 1)]:
+            args = [q, k, v]
+            up, down = args[which].copy(), args[which].copy()
+            up[index] += eps
+            down[index] -= eps
+            f_up = la.linear_attention(
+                *[up if i == which else a for i, a in enumerate(args)], fm, **kw
+            )
+            f_down = la.linear_attention(
+                *[down if i == which else a for i, a in enumerate(args)], fm, **kw
+            )
+            numeric = np.sum(grad * (f_up - f_down)) / (2 * eps)
+            assert g[index] == pytest.approx(numeric, rel=1e-6, abs=1e-8), (which, index)
