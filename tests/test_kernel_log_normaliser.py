@@ -14,6 +14,8 @@ log adds one rounding of ``F + R + log(den)``, within ``1e-5 (1 + |lse|)``.
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -255,3 +257,48 @@ def test_backward_and_torch_op_match_a_dense_reference(chunk: int) -> None:
         scale_ = float(np.max(np.abs(r)))
         assert float(np.max(np.abs(g_kernel - r))) <= 1e-10 * scale_, name
         assert float(np.max(np.abs(g_op - r))) <= 1e-10 * scale_, name
+
+
+# -- the CUDA kernels (the simulator, NUMBA_ENABLE_CUDASIM=1, or a GPU) ---------------
+
+
+def cuda_or_skip():
+    if importlib.util.find_spec("numba_cuda") is None:
+        pytest.skip("numba-cuda is not installed")
+    from linattn_numba import _cuda
+
+    if _cuda.status() != "available":
+        pytest.skip(f"CUDA kernels cannot run here ({_cuda.status()}); NUMBA_ENABLE_CUDASIM=1")
+    from linattn_numba import gpu
+
+    return gpu
+
+
+@pytest.mark.parametrize("design", ["kernels", "blas"])
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_cuda_log_scale_gives_the_log_normaliser(design: str, chunk: int, with_state: bool):
+    """Small sizes (the simulator runs a thread per element) that cross its tile (4)."""
+    gpu = cuda_or_skip()
+    rng = np.random.default_rng(7)
+    prefix, length, m, dv = 3, 9, 5, 2
+    lq, lk = (rng.normal(size=(2, prefix + length, m)) - 1 for _ in range(2))
+    lq[:, 4] += 5  # a large shift F
+    lk[:, prefix + 6] += 5  # a large running maximum
+    lk[:, [0, prefix, prefix + 1, prefix + 5]] = -np.inf  # masked; query 0 sees nothing
+    va = np.concatenate(
+        [rng.normal(size=(2, prefix + length, dv)), np.ones((2, prefix + length, 1))], -1
+    )
+    kv, mu = np.zeros((2, m, dv + 1)), np.full((2, m), -np.inf)
+    start = prefix if with_state else 0
+    if with_state:
+        _, kv, mu = cpu.numpy_forward(lq[:, :prefix], lk[:, :prefix], va[:, :prefix], kv, mu, 2)
+    call = (lq[:, start:], lk[:, start:], va[:, start:], kv, mu, chunk)
+    out, kv_out, mu_out, log_scale = gpu.forward("numpy", *call, design, return_log_scale=True)
+    with np.errstate(divide="ignore"):
+        lse = np.log(out[..., -1]) + log_scale
+    check_lse(lse, reference_lse(lq[:, start:], lk, start), "float64")
+    plain = gpu.forward("numpy", *call, design)
+    assert len(plain) == 3
+    for got, ref in zip((out, kv_out, mu_out), plain, strict=True):
+        np.testing.assert_array_equal(got, ref)
