@@ -302,3 +302,35 @@ def test_cuda_log_scale_gives_the_log_normaliser(design: str, chunk: int, with_s
     assert len(plain) == 3
     for got, ref in zip((out, kv_out, mu_out), plain, strict=True):
         np.testing.assert_array_equal(got, ref)
+
+
+# -- the torch operator's registration ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_opcheck_scaled(dtype: str) -> None:
+    """Schema, fake (``torch.compile``) and autograd registration of the new operator."""
+    torch = pytest.importorskip("torch")
+    from linattn_numba import _torch  # noqa: F401  (registers the operators)
+
+    _, inputs, _, _ = loss_inputs(8)
+    args = [torch.tensor(x.astype(dtype)[:1, :1, :9]) for x in inputs[:3]]
+    args += [torch.tensor(x.astype(dtype)[:1, :1]) for x in inputs[3:]]
+    for x in args[:4]:
+        x.requires_grad_()
+    torch.library.opcheck(torch.ops.linattn.causal_forward_scaled.default, (*args, 4))
+
+
+def test_torch_compile_scaled_matches_eager() -> None:
+    torch = pytest.importorskip("torch")
+    from linattn_numba import _torch
+
+    _, inputs, _, _ = loss_inputs(9)
+    tensors = [torch.tensor(x) for x in inputs]
+
+    def lse(*xs):
+        out, _, _, scale = _torch.causal("cpu", *xs, 3, return_log_scale=True)
+        return torch.log(out[..., -1]) + scale
+
+    compiled = torch.compile(lse, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(*tensors), lse(*tensors), rtol=0, atol=0)
