@@ -176,9 +176,17 @@ def causal(
     *,
     chunk_size: int,
     plan: Plan,
-) -> CausalResult:
-    """Chunked causal attention on the plan's path; same results either way."""
+    return_log_scale: bool = False,
+) -> tuple[Array, ...]:
+    """Chunked causal attention on the plan's path; same results either way.
+
+    With ``return_log_scale`` also each row's log-scale (:func:`linattn.causal.causal`).
+    """
     if plan.kernel is not None:
+        if return_log_scale:
+            return plan.kernel(
+                log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size, return_log_scale=True
+            )
         return plan.kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
     return causal_path.causal(
         xp,
@@ -191,6 +199,7 @@ def causal(
         log_shift,
         chunk_size,
         tokens_per_pass=plan.tokens_per_pass,
+        return_log_scale=return_log_scale,
     )
 
 
@@ -267,11 +276,13 @@ def fused_causal(
     log_shift: Array,
     *,
     chunk_size: int,
-) -> CausalResult:
+    return_log_normaliser: bool = False,
+) -> tuple[Array, ...]:
     """Features, causal attention and normalisation in one compiled pass (``plan.fused``).
 
-    Returns ``(outputs, kv, log_shift)`` with outputs normalised, in the compute dtype;
-    it never holds an ``L x m`` feature array (the path for long sequences).
+    Returns ``(outputs, kv, log_shift)`` with outputs normalised, in the compute dtype
+    (and each output's log-normaliser when asked, for merging partials); it never holds
+    an ``L x m`` feature array (the path for long sequences).
     """
     from linattn_numba import cpu
 
@@ -287,4 +298,5 @@ def fused_causal(
         kv=kv,
         log_shift=log_shift,
         chunk_size=chunk_size,
+        return_log_normaliser=return_log_normaliser,
     )

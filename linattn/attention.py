@@ -434,8 +434,7 @@ def exact_parts_call(
         keep = xp.ones((*batch, lk), dtype=xp.bool, device=info.device)
     else:
         keep = xp.broadcast_to(key_mask, (*batch, lk))
-    if plan.compiled or plan.path == "dask-scan":
-        # The far keys' partial needs each query's log-scale: the portable pass gives it.
+    if plan.path == "dask-scan":  # the portable parts run on Dask arrays as they are
         plan = _dispatch.causal_plan(q, feature_map, backend="array_api")
     fields: dict[str, Any] = {}
     if causal:

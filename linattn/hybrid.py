@@ -378,37 +378,56 @@ class FarPart(Part):
         return self.run(xp)[0]
 
     def run(self, xp: Namespace) -> tuple[Partial, Array, Array]:
-        """``((P, c), kv, log_shift)``: the partial and the state after the keys."""
+        """``((P, c), kv, log_shift)``: the partial and the state after the keys.
+
+        Causal parts run on the plan's path: the fused CPU pass (its log-normaliser is the
+        log-scale of rows ``[o | 1]``), a compiled kernel (which returns the log-scale on
+        request), or the portable chunked pass.
+        """
         q, k, v, keep = self.operands(xp)
-        log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
-        values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
         kv, log_shift = self.kv, self.log_shift
-        if self.causal:
-            rows, kv, log_shift, log_scale = causal_path.causal(
-                xp,
-                log_phi_q,
-                sign_q,
-                log_phi_k,
-                sign_k,
-                values_aug,
+        if self.causal and self.plan.fused:
+            out, kv, log_shift, log_scale = _dispatch.fused_causal(
+                q,
+                k,
+                v,
+                self.feature_map,
+                keep,
                 kv,
                 log_shift,
-                self.chunk_size,
-                tokens_per_pass=self.plan.tokens_per_pass,
-                return_log_scale=True,
+                chunk_size=self.chunk_size,
+                return_log_normaliser=True,
             )
+            rows = xp.concat([out, xp.ones_like(out[..., :1])], axis=-1)
         else:
-            rows, log_scale = causal_path.bidirectional(
-                xp,
-                log_phi_q,
-                sign_q,
-                log_phi_k,
-                sign_k,
-                values_aug,
-                kv,
-                log_shift,
-                return_log_scale=True,
-            )
+            log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
+            values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
+            if self.causal:
+                rows, kv, log_shift, log_scale = _dispatch.causal(
+                    xp,
+                    log_phi_q,
+                    sign_q,
+                    log_phi_k,
+                    sign_k,
+                    values_aug,
+                    kv,
+                    log_shift,
+                    chunk_size=self.chunk_size,
+                    plan=self.plan,
+                    return_log_scale=True,
+                )
+            else:
+                rows, log_scale = causal_path.bidirectional(
+                    xp,
+                    log_phi_q,
+                    sign_q,
+                    log_phi_k,
+                    sign_k,
+                    values_aug,
+                    kv,
+                    log_shift,
+                    return_log_scale=True,
+                )
         # A row that saw no key holds nothing: its scale must not outweigh the others.
         log_scale = xp.where(rows[..., -1] == 0, constant(xp, -math.inf, log_scale), log_scale)
         if self.reverse:
