@@ -34,6 +34,7 @@ __all__ = [
     "kernel_for",
     "kernel_status",
     "resolve_backend",
+    "window_kernel_for",
 ]
 
 #: Who may run causal attention: the argument ``backend=`` of every front-door function.
@@ -245,6 +246,19 @@ def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     except ImportError as error:
         return None, f"linattn_numba cannot be imported ({error}); install linattn[numba]"
     return linattn_numba.causal_kernel_for(x)
+
+
+def window_kernel_for(x: Array) -> Callable[..., tuple[Array, Array]] | None:
+    """The compiled kernel of the window part (``hybrid.banded_partial``) for arrays like
+    ``x``: NumPy arrays where ``linattn_numba`` imports and ``$LINATTN_BACKEND`` is not
+    ``"array_api"``; else ``None`` (the portable code runs)."""
+    if _library(x) != "numpy" or resolve_backend(None) == "array_api":
+        return None
+    try:
+        from linattn_numba import _window
+    except ImportError:
+        return None
+    return _window.banded_partial
 
 
 def _numpy_backward() -> Callable[..., Any] | None:

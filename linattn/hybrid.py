@@ -167,8 +167,12 @@ def banded_partial(
     ``keys`` (``(..., T + span, d)``) hold the band's keys in position order (the
     caller pads them), ``keep`` (``(..., T + span)``) which of them take part.  Blocks of
     ``B >= span`` queries see their own key block and the next (``(B, 2B)`` logits),
-    so the cost is ``O(T B d)``, linear in ``T``.
+    so the cost is ``O(T B d)``, linear in ``T``.  NumPy arrays run the compiled kernel
+    (``linattn_numba._window``) where it imports: the same contract, ``O(T span d)``.
     """
+    kernel = _dispatch.window_kernel_for(q)
+    if kernel is not None:
+        return kernel(q, keys, values, keep, span, scale)
     length = q.shape[-2]
     size = max(span, MIN_BAND_BLOCK)
     count = -(-length // size)
