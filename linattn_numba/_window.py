@@ -210,6 +210,10 @@ def _flat_keep(x: np.ndarray, count: int) -> np.ndarray:
     return np.ascontiguousarray(x).reshape((count, x.shape[-1]))
 
 
+def _flat_inputs(q: Any, keys: Any, values: Any, keep: Any, count: int) -> tuple[Any, ...]:
+    return _flat(q, count), _flat(keys, count), _flat(values, count), _flat_keep(keep, count)
+
+
 def _consts(dtype: np.dtype, scale: float) -> np.ndarray:
     """``[0, -inf, scale]`` in the compute dtype (so that no float64 enters float32 code)."""
     return np.array([0.0, -np.inf, scale], dtype=dtype)
@@ -263,10 +267,9 @@ def banded_partial(
     count, d, dv = math.prod(batch), q.shape[-1], values.shape[-1]
     rows = np.empty((count, length, dv + 1), dtype)
     tops = np.empty((count, length), dtype)
-    flat = (_flat(q, count), _flat(keys, count), _flat(values, count), _flat_keep(keep, count))
     _forward.run(
         _variant(count, length, int(span), d, dv),
-        *flat,
+        *_flat_inputs(q, keys, values, keep, count),
         int(span),
         _consts(dtype, float(scale)),
         rows,
@@ -310,10 +313,7 @@ def banded_partial_backward(
     dvalues = np.zeros((count, length + int(span), dv), dtype)
     _backward.run(
         _variant(count, length, int(span), d, dv),
-        _flat(q, count),
-        _flat(keys, count),
-        _flat(values, count),
-        _flat_keep(keep, count),
+        *_flat_inputs(q, keys, values, keep, count),
         int(span),
         _consts(dtype, float(scale)),
         _flat_keep(log_scale, count),
