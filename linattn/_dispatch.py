@@ -34,6 +34,7 @@ __all__ = [
     "kernel_for",
     "kernel_status",
     "resolve_backend",
+    "window_kernel_for",
 ]
 
 #: Who may run causal attention: the argument ``backend=`` of every front-door function.
@@ -254,6 +255,23 @@ def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     except ImportError as error:
         return None, f"linattn_numba cannot be imported ({error}); install linattn[numba]"
     return linattn_numba.causal_kernel_for(x)
+
+
+def window_kernel_for(x: Array) -> Any:
+    """The compiled window part for arrays like ``x``, or ``None`` (the portable code runs).
+
+    NumPy arrays where ``linattn_numba`` imports and ``$LINATTN_BACKEND`` is not
+    ``"array_api"``: the module :mod:`linattn_numba._window`, whose ``banded_partial``
+    and ``banded_partial_backward`` have the contract of ``linattn.hybrid.banded_partial``
+    and of its adjoint.
+    """
+    if _library(x) != "numpy" or resolve_backend(None) == "array_api":
+        return None
+    try:
+        from linattn_numba import _window
+    except ImportError:
+        return None
+    return _window
 
 
 def _numpy_backward() -> Callable[..., Any] | None:

@@ -167,8 +167,12 @@ def banded_partial(
     ``keys`` (``(..., T + span, d)``) hold the band's keys in position order (the
     caller pads them), ``keep`` (``(..., T + span)``) which of them take part.  Blocks of
     ``B >= span`` queries see their own key block and the next (``(B, 2B)`` logits),
-    so the cost is ``O(T B d)``, linear in ``T``.
+    so the cost is ``O(T B d)``, linear in ``T``.  NumPy arrays run the compiled kernel
+    (``linattn_numba._window``) where it imports: the same contract, ``O(T span d)``.
     """
+    kernel = _dispatch.window_kernel_for(q)
+    if kernel is not None:
+        return kernel.banded_partial(q, keys, values, keep, span, scale)
     band = Band.of(xp, q, keys, values, keep, span)
     logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * scale
     rows, top = softmax_partial(xp, logits, band.visible, band.values)
@@ -270,6 +274,10 @@ class Part:
     def rows(self, xp: Namespace) -> Partial:
         raise NotImplementedError
 
+    def rows_for_backward(self, xp: Namespace) -> Partial:
+        """The rows :meth:`backward` differentiates (their scale is the one it assumes)."""
+        return self.rows(xp)
+
     def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
         raise NotImplementedError
 
@@ -313,13 +321,19 @@ class WindowPart(Part):
         return banded_partial(xp, self.q, self.keys, self.values, self.keep, self.span, self.scale)
 
     def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+        calls = slice(self.first, self.first + self.q.shape[-2])  # the call's own keys
+        kernel = _dispatch.window_kernel_for(self.q)
+        if kernel is not None:
+            args = (self.q, self.keys, self.values, self.keep, self.span, self.scale)
+            _, log_scale = kernel.banded_partial(*args)
+            dq, dk, dv = kernel.banded_partial_backward(*args, log_scale, g)
+            return dq, dk[..., calls, :], dv[..., calls, :]
         band = Band.of(xp, self.q, self.keys, self.values, self.keep, self.span)
         logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * self.scale
         g = _blocked(xp, g, band.queries.shape[-3] * band.size, band.size, 0.0)
         dq, dk, dv = _softmax_backward(
             xp, band.queries, band.keys, band.values, logits, band.visible, self.scale, g
         )
-        calls = slice(self.first, self.first + self.q.shape[-2])  # the call's own keys
         dk, dv = (band.key_tokens(xp, x)[..., calls, :] for x in (dk, dv))
         return band.tokens(xp, dq), dk, dv
 
@@ -377,7 +391,12 @@ class FarPart(Part):
     def rows(self, xp: Namespace) -> Partial:
         return self.run(xp)[0]
 
-    def run(self, xp: Namespace) -> tuple[Partial, Array, Array]:
+    def rows_for_backward(self, xp: Namespace) -> Partial:
+        # The backward is the portable pass's adjoint: its rows carry that pass's scale
+        # (the fused pass's rows [o | 1] carry another).
+        return self.run(xp, portable=True)[0]
+
+    def run(self, xp: Namespace, *, portable: bool = False) -> tuple[Partial, Array, Array]:
         """``((P, c), kv, log_shift)``: the partial and the state after the keys.
 
         Causal parts run on the plan's path: the fused CPU pass (its log-normaliser is the
@@ -386,7 +405,12 @@ class FarPart(Part):
         """
         q, k, v, keep = self.operands(xp)
         kv, log_shift = self.kv, self.log_shift
-        if self.causal and self.plan.fused:
+        plan = (
+            _dispatch.causal_plan(q, self.feature_map, backend="array_api")
+            if portable
+            else self.plan
+        )
+        if self.causal and plan.fused:
             out, kv, log_shift, log_scale = _dispatch.fused_causal(
                 q,
                 k,
@@ -801,7 +825,7 @@ def parts_vjp(
     """
     from linattn.vjp import _normalise_vjp
 
-    partials = [part.rows(xp) for part in found]
+    partials = [part.rows_for_backward(xp) for part in found]
     g_rows = _normalise_vjp(xp, merge(xp, partials), grad)
     top = partials[0][1]
     for _, scale in partials[1:]:
