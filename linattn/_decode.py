@@ -168,8 +168,9 @@ def decode(
         or chunk_size == 0
     ):
         return None
-    chosen = backend if backend is not None else os.environ.get(_dispatch.ENVIRONMENT_VARIABLE, "auto")
-    if chosen not in ("auto", "numba") or (step := _kernel()) is None:
+    if backend is None:
+        backend = os.environ.get(_dispatch.ENVIRONMENT_VARIABLE, "auto")
+    if backend not in ("auto", "numba") or (step := _kernel()) is None:
         return None
     out, kv, log_shift = step(
         q,
@@ -192,4 +193,3 @@ def decode(
         feature_map=state.feature_map,
         num_tokens=state.num_tokens + length,
     )
-
