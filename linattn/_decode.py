@@ -13,9 +13,8 @@ It applies to causal calls with a state, at most :data:`MAX_TOKENS` new tokens, 
 float32 or float64 arrays of one dtype, leading shapes equal to the state's, a
 ``key_mask`` of exactly ``q.shape[:-1]`` (or none), and the maps the fused CPU pass
 takes (:func:`linattn._dispatch.fused_map`), when the backend asked for is ``"auto"``
-or ``"numba"`` and ``linattn_numba`` imports.  Its results equal the general path's:
-bit for bit for ``L > 1`` (the same chunk kernel), to rounding for ``L = 1`` (one sweep
-over the state instead of the chunk's matrix products).
+or ``"numba"`` and ``linattn_numba`` imports.  Its results equal the general path's
+bit for bit (the fused pass's products on the same features).
 """
 
 from __future__ import annotations
@@ -79,16 +78,17 @@ def _kernel() -> Any:
     """:func:`linattn_numba._decode.decode_step`, or None where numba is missing."""
     if not _KERNEL:
         try:
-            from linattn_numba._decode import decode_step
+            from linattn_numba import _decode as compiled
         except ImportError:
-            decode_step = None
-        _KERNEL.append(decode_step)
+            _KERNEL.append(None)
+        else:
+            _KERNEL.append(compiled.decode_step)
     return _KERNEL[0]
 
 
 def _count(x: object) -> bool:
     """A non-negative Python or NumPy integer (not a bool)."""
-    return not isinstance(x, bool) and isinstance(x, int | np.integer) and x >= 0
+    return not isinstance(x, bool) and isinstance(x, int | np.integer) and bool(x >= 0)
 
 
 def decode(

@@ -6,14 +6,14 @@ helpers are its own: ``_log_features``, ``_chunk_shifts``, ``_running_max``,
 takes once per generated token, where the fixed costs of the fused pass dominate:
 
 * the state comes in read-only and goes out in new arrays (a
-  :class:`linattn.LinearAttentionState` is immutable, so the fused pass copies it in and
-  then updates the copy; here, one sweep over ``S`` reads the old state for the
-  query's readout and writes the new one, ``S' = exp(ms - mu') S + phi^T [v | 1]``,
-  which is :func:`linattn.state.absorb_keys` with the stabilisers of
-  ``linattn.causal``);
-* ``L = 1`` takes that single sweep; ``L > 1`` runs the fused pass's chunk
-  (:func:`linattn_numba.cpu._chunk_forward`) on a copy of the state, in chunks of
-  ``chunk_size``, so its outputs equal the fused pass's bit for bit;
+  :class:`linattn.LinearAttentionState` is immutable, so the fused pass copies it and
+  then updates the copy: three passes over ``S``); for ``L = 1`` the chunk's products
+  are the same (``u S`` by BLAS, then the key's own term), and one pass over ``S``
+  writes the new state ``S' = exp(ms - mu') S + phi^T [v | 1]``, which is
+  :func:`linattn.state.absorb_keys` with the stabilisers of ``linattn.causal``;
+* ``L > 1`` runs the fused pass's chunk (:func:`linattn_numba.cpu._chunk_forward`) on
+  a copy of the state, in chunks of ``chunk_size``;
+* either way the outputs and the state equal the fused pass's bit for bit;
 * no workspace of ``FEATURE_BLOCK`` tokens, and BLAS is left as it is on the serial
   path (:func:`decode_step` pins it only where Numba's threads run).
 
@@ -46,49 +46,55 @@ _jit = _machinery.jit
 
 
 @_jit()
-def _sweep(u, psi_dot, phi, va, kv, mu, decay, weight_state, block, kv_out):
-    """One pass over ``S``: ``block = weight_state u S + psi_dot [v|1]`` (the readout,
-    rows with ``mu = -inf`` read as zeros) and ``S' = decay S + phi^T [v|1]``."""
-    m, width = kv.shape
-    zero = u[0] - u[0]
-    acc = block  # (the readout accumulates in the output row)
-    for e in range(width):
-        acc[e] = zero
-    for r in range(m):
-        p = phi[r]
-        if mu[r] == -np.inf:  # an empty row holds nothing, whatever it stores
-            for e in range(width):
-                kv_out[r, e] = p * va[e]
-            continue
-        ur, dr = u[r], decay[r]
-        for e in range(width):
-            s = kv[r, e]
-            acc[e] += ur * s
-            kv_out[r, e] = dr * s + p * va[e]
-    for e in range(width):
-        block[e] = psi_dot * va[e] + weight_state * acc[e]
+def _copy_state(kv, mu, kv_out, mu_out):
+    """The fused pass's copy of a state: rows whose shift is ``-inf`` become zeros."""
+    for r in range(kv.shape[0]):
+        mu_out[r] = mu[r]
+        empty = mu[r] == -np.inf
+        for e in range(kv.shape[1]):
+            kv_out[r, e] = 0 if empty else kv[r, e]
 
 
 @_jit()
-def _one_token(lq, lk, va, kv, mu, kv_out, mu_out, block, vecs, rows, square):
+def _one_token(lq, lk, va, kv, mu, kv_out, mu_out, block, vecs, rows, square, state_out):
     """The unnormalised output of one token into ``block``; ``(kv_out, mu_out)`` the
     state after it, from ``(kv, mu)`` before (neither changed)."""
     m = lq.shape[1]
     ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
     g, run, w = vecs[3][:1], vecs[4][:1], vecs[5][:1]
     u, psi, phi = rows[0][:1], rows[1][:1], rows[2][:1]
-    weights = square[:1].reshape(1, 1)
+    weights, intra = square[:1].reshape(1, 1), square[1:2].reshape(1, 1)
     has_state = cpu._safe_shift(mu, ms)
     cpu._chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
     cpu._running_max(lk, mu, top)
     full = cpu._shift_between(mu, top, ms, shift, decay)
     cpu._key_features(lk, shift, decay, psi, g, full, phi)
-    overlap = u[0, 0] - u[0, 0]
-    for r in range(m):
-        overlap += u[0, r] * psi[0, r]
-    # The key's weight against itself (the chunk pass's masked diagonal).
-    _sweep(u[0], overlap * weights[0, 0], phi[0], va[0], kv, mu, decay, w[0], block[0], kv_out)
+    # The key's weight against itself (the chunk pass's masked diagonal), as it does.
+    np.dot(u, psi.T, intra)
+    cpu._mask_later_keys(intra, weights)
+    if not full:  # empty rows hold nothing: read a copy with zeros there, update it
+        _copy_state(kv, mu, kv_out, mu_out)
+        kv = kv_out
+    _readout_then_update(u, intra, phi[0], va, kv, decay, w[0], block, state_out, kv_out)
     mu_out[:] = top
+
+
+@_jit()
+def _readout_then_update(u, intra, phi, va, kv, decay, weight_state, block, state_out, kv_out):
+    """``block = intra [v|1] + w u S`` in the chunk pass's own products (so that the
+    output is its, bit for bit), then one pass writes ``S' = decay S + phi^T [v|1]``
+    (``kv_out`` may be ``kv``).  ``u S`` by BLAS and then the pass measured 30 % faster
+    than accumulating ``u S`` in the pass."""
+    m, width = kv.shape
+    np.dot(u, kv, state_out)
+    np.dot(intra, va, block)
+    for e in range(width):
+        block[0, e] += weight_state * state_out[0, e]
+    row = va[0]
+    for r in range(m):
+        p, dr = phi[r], decay[r]
+        for e in range(width):
+            kv_out[r, e] = dr * kv[r, e] + p * row[e]
 
 
 @_machinery.Variants
@@ -119,14 +125,14 @@ def _decode(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, kv_out
         if length == 1:
             vecs = np.empty((7, m), dtype)
             work = np.empty((3, 1, m), dtype)
-            square = np.empty(1, dtype)
-            _one_token(lq, lk, va, kv[b], mu[b], kv_out[b], mu_out[b], block, vecs, work, square)
+            square = np.empty(2, dtype)
+            state_out = np.empty((1, dv + 1), dtype)
+            _one_token(
+                lq, lk, va, kv[b], mu[b], kv_out[b], mu_out[b], block, vecs, work, square,
+                state_out,
+            )  # fmt: skip
         else:
-            for r in range(m):  # the fused pass's copy of the state, empty rows as zeros
-                mu_out[b, r] = mu[b, r]
-                empty = mu[b, r] == -np.inf
-                for e in range(dv + 1):
-                    kv_out[b, r, e] = 0 if empty else kv[b, r, e]
+            _copy_state(kv[b], mu[b], kv_out[b], mu_out[b])
             size = min(chunk, length)
             work, square, vecs, state_out, product = cpu._workspace(size, m, dv + 1, dtype)
             for t0 in range(0, length, size):
