@@ -35,6 +35,9 @@ __all__ = ["MAX_TOKENS", "decode"]
 #: checks).
 MAX_TOKENS = 16
 
+#: Feature maps whose constants are kept (a projection copy each); beyond, the cache restarts.
+MAX_CACHED_MAPS = 32
+
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -58,6 +61,8 @@ _KERNEL: list[Any] = []
 def _map_constants(feature_map: FeatureMap, dtype: np.dtype) -> _MapConstants | None:
     key = (feature_map.fingerprint, dtype)
     if key not in _MAPS:
+        if len(_MAPS) >= MAX_CACHED_MAPS:  # (maps redrawn during training: no leak)
+            _MAPS.clear()
         entry = None
         if _dispatch.fused_map(feature_map) and not feature_map.needs_calibration:
             scale = feature_map.scale
