@@ -238,11 +238,15 @@ def _tokens_per_pass(x: Array) -> int | None:
 
 
 def _fused(x: Array, feature_map: FeatureMap | None) -> bool:
-    """The fused CPU pass takes NumPy arrays and the kinds that say so, unrebalanced."""
+    """The fused CPU pass takes NumPy arrays and the maps of :func:`fused_map`."""
+    return feature_map is not None and _library(x) == "numpy" and fused_map(feature_map)
+
+
+def fused_map(feature_map: FeatureMap) -> bool:
+    """The fused CPU kernels compute this map's features: the kinds that say so,
+    unrebalanced (also the decoding path's test, :mod:`linattn._decode`)."""
     return (
-        feature_map is not None
-        and _library(x) == "numpy"
-        and feature_map._spec.fused
+        feature_map._spec.fused
         and feature_map.rebalance_scales is None
         and feature_map.projection is not None
     )
