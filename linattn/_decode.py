@@ -133,6 +133,8 @@ def decode(
     if (
         causal is not True
         or not isinstance(state, LinearAttentionState)
+        or state.window is not None
+        or state.sink_keys
         or not isinstance(feature_map, FeatureMap)
         or not (return_state is True or return_state is False)
         or not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray)

@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple, overload
 import array_api_compat
 import numpy as np
 
-from linattn import _dispatch, hybrid
+from linattn import _decode, _dispatch, hybrid
 from linattn import causal as causal_path
 from linattn._checks import (
     check_attention_inputs,
@@ -226,6 +226,24 @@ def linear_attention(
     mean squared error 6e-06
     """
     hybrid_asked = window is not None or sink_keys != 0 or exact_key_mask is not None
+    if state is not None and not hybrid_asked:
+        # A decoding step (a few tokens after a state): cheap exact checks and one kernel
+        # call; None where it does not apply, and the general path below runs (and
+        # raises any error, so errors read the same).
+        fast = _decode.decode(
+            q,
+            k,
+            v,
+            feature_map,
+            causal=causal,
+            key_mask=key_mask,
+            state=state,
+            return_state=return_state,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
+        if fast is not None:
+            return fast
     if feature_map is None and not hybrid_asked:
         raise TypeError(
             "feature_map must be a linattn.FeatureMap (None only with window or sink_keys: "

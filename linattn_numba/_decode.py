@@ -61,11 +61,11 @@ def _one_token(lq, lk, va, kv, mu, kv_out, mu_out, block, vecs, rows, square, st
     state after it, from ``(kv, mu)`` before (neither changed)."""
     m = lq.shape[1]
     ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
-    g, run, w = vecs[3][:1], vecs[4][:1], vecs[5][:1]
+    g, run, w, fq = vecs[3][:1], vecs[4][:1], vecs[5][:1], vecs[7][:1]
     u, psi, phi = rows[0][:1], rows[1][:1], rows[2][:1]
     weights, intra = square[:1].reshape(1, 1), square[1:2].reshape(1, 1)
     has_state = cpu._safe_shift(mu, ms)
-    cpu._chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
+    cpu._chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq)
     cpu._running_max(lk, mu, top)
     full = cpu._shift_between(mu, top, ms, shift, decay)
     cpu._key_features(lk, shift, decay, psi, g, full, phi)
@@ -123,7 +123,7 @@ def _decode(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, kv_out
                 for e in range(dv):
                     va[i, e] = 0
         if length == 1:
-            vecs = np.empty((7, m), dtype)
+            vecs = np.empty((8, m), dtype)
             work = np.empty((3, 1, m), dtype)
             square = np.empty(2, dtype)
             state_out = np.empty((1, dv + 1), dtype)
@@ -135,11 +135,12 @@ def _decode(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, kv_out
             _copy_state(kv[b], mu[b], kv_out[b], mu_out[b])
             size = min(chunk, length)
             work, square, vecs, state_out, product = cpu._workspace(size, m, dv + 1, dtype)
+            no_scale = np.empty(0, dtype)  # no log-scale wanted
             for t0 in range(0, length, size):
                 t1 = min(t0 + size, length)
                 cpu._chunk_forward(
                     lq[t0:t1], lk[t0:t1], va[t0:t1], kv_out[b], mu_out[b], block[t0:t1],
-                    work, square, vecs, state_out, product,
+                    work, square, vecs, state_out, product, no_scale,
                 )  # fmt: skip
         for i in range(length):
             den = block[i, dv]
