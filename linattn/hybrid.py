@@ -689,9 +689,9 @@ def _updated_sinks(
     new_v = xp.take(v, take, axis=-2)
     new_keep = xp.take(keep, take, axis=-1)
     if state is None:  # the call's first keys, as they are (and their gradients)
-        pad = max(0, s - length)
+        n = min(s, length)  # (slices stay within bounds: the array API leaves others open)
         return tuple(
-            _pad_keys(xp, x, 0, pad) for x in (k[..., :s, :], v[..., :s, :], keep[..., :s])
+            _pad_keys(xp, x, 0, s - n) for x in (k[..., :n, :], v[..., :n, :], keep[..., :n])
         )
     if state.sinks is None:
         old_k = _zeros(xp, (*batch, s, k.shape[-1]), k)
