@@ -77,22 +77,39 @@ def _key_block(k, v, mask, projection, consts, hyperbolic, proj, lk, va):
                 va[i, e] = 0
 
 
+#: Lanes of the per-row maximum in :func:`_query_factors`: a running maximum per lane is
+#: an elementwise ``max`` that vectorises (a scalar ``max`` reduction over floats does
+#: not without fast-math flags that assume no NaN); measured 2.4x faster, m = 256.
+LANES = 16
+
+
 @_jit()
-def _query_factors(lq, ms):
-    """``u_t = exp(l(q_t) + ms - F_t)`` in place of ``lq`` (``F_t`` 0 where not finite)."""
+def _query_factors(lq, ms, lanes):
+    """``u_t = exp(l(q_t) + ms - F_t)`` in place of ``lq`` (``F_t`` 0 where not finite);
+    ``lanes`` is scratch of :data:`LANES` entries."""
     n, m = lq.shape
     zero = ms[0] - ms[0]
+    whole = m - m % LANES
     for i in range(n):
-        f = -np.inf
+        row = lq[i]
         for r in range(m):
-            x = lq[i, r] + ms[r]
-            lq[i, r] = x
-            if x > f:
-                f = x
+            row[r] += ms[r]
+        lanes[:] = row[0]
+        for r0 in range(0, whole, LANES):
+            for lane in range(LANES):
+                x = row[r0 + lane]
+                lanes[lane] = x if x > lanes[lane] else lanes[lane]
+        f = lanes[0]
+        for lane in range(1, LANES):
+            if lanes[lane] > f:
+                f = lanes[lane]
+        for r in range(whole, m):
+            if row[r] > f:
+                f = row[r]
         if not np.isfinite(f):
             f = zero
         for r in range(m):
-            lq[i, r] = fast_exp(lq[i, r] - f)
+            row[r] = fast_exp(row[r] - f)
 
 
 @_jit()
@@ -116,7 +133,7 @@ def _features_vjp(x, d_log, projection, consts, hyperbolic, d_proj, dx):
     width = d_log.shape[1]
     d = x.shape[1]
     root_half_scale = np.sqrt(consts[0])
-    scale = 2 * consts[0]
+    scale = consts[0] + consts[0]  # (2 * x would be float64)
     if hyperbolic:
         for i in range(n):
             for r in range(rows):
@@ -156,13 +173,14 @@ def _normalise_rows(block, out):
 
 @_jit()
 def _workspace(span, m, rows, hyperbolic, width, dtype):
-    """Per worker: projection scratch, a feature block, two value-width blocks, the shift
-    vectors ``(ms, top, shift, decay)`` and an ``m x (d_v + 1)`` product."""
+    """Per worker: projection scratch, two feature blocks, two value-width blocks, the
+    shift vectors ``(ms, top, shift, decay)`` (and :data:`LANES` scratch) and an
+    ``m x (d_v + 1)`` product."""
     return (
         np.empty((span if hyperbolic else 0, rows), dtype),
-        np.empty((span, m), dtype),
+        np.empty((2, span, m), dtype),
         np.empty((2, span, width), dtype),
-        np.empty((4, m), dtype),
+        np.empty((5, max(m, LANES)), dtype),
         np.empty((m, width), dtype),
     )
 
@@ -171,17 +189,19 @@ def _workspace(span, m, rows, hyperbolic, width, dtype):
 def _absorb_all(k, v, mask, projection, consts, hyperbolic, kv, mu, work):
     """Pass 1 of one head: every key block into ``(kv, mu)``."""
     proj, feats, blocks, vecs, product = work
-    span = feats.shape[0]
-    ms, top, shift, decay = vecs[0], vecs[1], vecs[2], vecs[3]
+    m = mu.shape[0]
+    ms, top, shift, decay = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[3][:m]
+    span = feats.shape[1]
     for s0 in range(0, k.shape[0], span):
         s1 = min(s0 + span, k.shape[0])
         n = s1 - s0
-        lk, va = feats[:n], blocks[0][:n]
+        lk, phi, va = feats[0][:n], feats[1][:n], blocks[0][:n]
         _key_block(k[s0:s1], v[s0:s1], mask[s0:s1], projection, consts, hyperbolic,
                    proj[:n], lk, va)  # fmt: skip
         _safe_shift(mu, ms)
-        # (phi overwrites lk in place; no psi reuse: the first pass has none)
-        _absorb(lk, va, kv, mu, ms, lk, top, shift, decay, product, lk, ms, False)
+        # phi in its own block: written in place of lk, the exponentials ran 8x slower
+        # (aliased arguments, no vectorisation).  (No psi to reuse: passed phi, unread.)
+        _absorb(lk, va, kv, mu, ms, phi, top, shift, decay, product, phi, ms, False)
 
 
 @_machinery.Variants
@@ -193,14 +213,14 @@ def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out):
         work = _workspace(span, m, projection.shape[0], hyperbolic, width, q.dtype)
         proj, feats, blocks, vecs, _ = work
         _absorb_all(k[b], v[b], mask[b], projection, consts, hyperbolic, kv[b], mu[b], work)
-        ms = vecs[0]
+        ms, lanes = vecs[0][:m], vecs[4]
         _safe_shift(mu[b], ms)
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
-            u, block = feats[:n], blocks[0][:n]
+            u, block = feats[0][:n], blocks[0][:n]
             _log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], u)
-            _query_factors(u, ms)
+            _query_factors(u, ms, lanes)
             np.dot(u, kv[b], block)
             _normalise_rows(block, out[b][s0:s1])
 
@@ -235,17 +255,16 @@ def _backward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, 
         proj, feats, blocks, vecs, product = _workspace(
             span, m, rows, hyperbolic, width, q.dtype
         )
-        d_feats = np.empty((span, m), q.dtype)
         d_state = np.zeros((m, width), q.dtype)
-        ms = vecs[0]
+        ms, lanes = vecs[0][:m], vecs[4]
         _safe_shift(mu[b], ms)
         # Queries: d l(q) = u * (A S^T), dS = u^T A.
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
-            u, d_aug, du = feats[:n], blocks[0][:n], d_feats[:n]
+            u, d_aug, du = feats[0][:n], blocks[0][:n], feats[1][:n]
             _log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], u)
-            _query_factors(u, ms)
+            _query_factors(u, ms, lanes)
             _query_cotangents(u, kv[b], out[b][s0:s1], grad[b][s0:s1], d_aug)
             np.dot(d_aug, kv[b].T, du)
             np.dot(u.T, d_aug, product)
@@ -257,7 +276,7 @@ def _backward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, 
         for s0 in range(0, k.shape[1], span):
             s1 = min(s0 + span, k.shape[1])
             n = s1 - s0
-            phi, va, d_va, dphi = feats[:n], blocks[0][:n], blocks[1][:n], d_feats[:n]
+            phi, va, d_va, dphi = feats[0][:n], blocks[0][:n], blocks[1][:n], feats[1][:n]
             _key_block(k[b][s0:s1], v[b][s0:s1], mask[b][s0:s1], projection, consts,
                        hyperbolic, proj[:n], phi, va)  # fmt: skip
             _key_factors(phi, ms)
