@@ -31,7 +31,9 @@ HEADS, HEAD_DIM, FEATURES = 8, 64, 256
 
 
 def flops(length: int) -> float:
-    return float(HEADS * (4 * length * HEAD_DIM * FEATURES + 4 * length * FEATURES * (HEAD_DIM + 1)))
+    return float(
+        HEADS * (4 * length * HEAD_DIM * FEATURES + 4 * length * FEATURES * (HEAD_DIM + 1))
+    )
 
 
 def paths(q: np.ndarray, k: np.ndarray, v: np.ndarray, fm: la.FeatureMap) -> dict[str, Any]:
@@ -44,7 +46,9 @@ def paths(q: np.ndarray, k: np.ndarray, v: np.ndarray, fm: la.FeatureMap) -> dic
 
 
 @pytest.mark.parametrize("length", [1024, 4096, 16384])
-def test_time_and_rate(benchmark: Any, length: int, feature_map: la.FeatureMap, bench: Any) -> None:
+def test_time_and_rate(
+    benchmark: Any, length: int, feature_map: la.FeatureMap, bench: Any
+) -> None:
     """Goals: >= 60 % of the float32 GEMM rate; faster than the array-API path; torch
     within 10 % of NumPy."""
     q, k, v = bench.workload(length)

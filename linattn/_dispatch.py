@@ -320,7 +320,7 @@ def bidirectional_fused(
     if not _fusable_map(feature_map) or not array_api_compat.is_array_api_obj(x):
         return False
     library = _library(x)
-    if library == "torch" and x.device.type != "cpu" or library not in ("numpy", "torch"):
+    if (library == "torch" and x.device.type != "cpu") or library not in ("numpy", "torch"):
         return False
     return kernel_for(x)[0] is not None
 
@@ -358,22 +358,23 @@ def fused_bidirectional_vjp(
     passes (:func:`bidirectional_fused`); over the broadcast batch shape, compute dtype."""
     from linattn_numba import _bidirectional
 
-    arrays = (q, k, v, key_mask, grad_output)
+    arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
     torch_in = _library(q) == "torch"
     if torch_in:  # (NumPy views of the CPU tensors; the results wrapped without copies)
         arrays = tuple(None if x is None else x.detach().numpy() for x in arrays)
     q, k, v, key_mask, grad_output = arrays
     projection, hyperbolic = _fused_map(feature_map)
-    options = {"hyperbolic": hyperbolic, "scale": feature_map.scale, "key_mask": key_mask}
+    options: dict[str, Any] = {"hyperbolic": hyperbolic, "scale": feature_map.scale}
+    options["key_mask"] = key_mask
     out, kv, log_shift = _bidirectional.favor_bidirectional(q, k, v, projection, **options)
-    grads = _bidirectional.favor_bidirectional_backward(
+    grads: tuple[Any, ...] = _bidirectional.favor_bidirectional_backward(
         q, k, v, projection, kv, log_shift, out, grad_output, **options
     )
     if torch_in:
         import torch
 
         grads = tuple(torch.from_numpy(g) for g in grads)
-    return grads
+    return grads[0], grads[1], grads[2]
 
 
 def _fused_map(feature_map: FeatureMap) -> tuple[Any, bool]:

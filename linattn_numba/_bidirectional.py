@@ -227,7 +227,8 @@ def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out):
 
 @_jit()
 def _query_cotangents(u, kv, out, grad, d_aug):
-    """``A_t = [g_t / D_t, -(g_t . o_t) / D_t]`` (``D_t = u_t . S[:, d_v]``); 0 where ``D_t = 0``."""
+    """``A_t = [g_t / D_t, -(g_t . o_t) / D_t]``, ``D_t = u_t . S[:, d_v]``; 0 where
+    ``D_t = 0`` (a query that sees no key outputs zeros whatever the inputs)."""
     n, m = u.shape
     dv = out.shape[1]
     for i in range(n):
@@ -252,9 +253,7 @@ def _backward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, 
     rows = projection.shape[0]
     span = min(FEATURE_BLOCK, max(length, k.shape[1], 1))
     for b in prange(batch):
-        proj, feats, blocks, vecs, product = _workspace(
-            span, m, rows, hyperbolic, width, q.dtype
-        )
+        proj, feats, blocks, vecs, product = _workspace(span, m, rows, hyperbolic, width, q.dtype)
         d_state = np.zeros((m, width), q.dtype)
         ms, lanes = vecs[0][:m], vecs[4]
         _safe_shift(mu[b], ms)

@@ -118,8 +118,12 @@ def test_backward_equals_array_api_vjp(case: tuple, kind: str) -> None:
     g = np.random.default_rng(1).normal(size=out.shape)
     options = {"hyperbolic": kind == "hyperbolic", "scale": fm.scale, "key_mask": mask}
     grads = bd.favor_bidirectional_backward(q, k, v, fm.projection, kv, mu, out, g, **options)
-    for grad, x, expected in zip(grads, (q, k, v), vjp_reference(q, k, v, fm, mask, g)):
-        summed = grad.sum(axis=tuple(i for i, n in enumerate(x.shape[:-2]) if n == 1), keepdims=True)
+    for grad, x, expected in zip(
+        grads, (q, k, v), vjp_reference(q, k, v, fm, mask, g), strict=True
+    ):
+        summed = grad.sum(
+            axis=tuple(i for i, n in enumerate(x.shape[:-2]) if n == 1), keepdims=True
+        )
         row_close(summed.reshape(x.shape), expected, RTOL["float64"])
     if mask is not None:  # masked keys take no part: no gradient
         np.testing.assert_array_equal(np.where(mask[..., None], 0.0, grads[1]), 0.0)
@@ -161,7 +165,7 @@ def test_parallel_and_serial_twins_agree(monkeypatch: pytest.MonkeyPatch) -> Non
     before = bd._forward.launches["parallel"]
     parallel = fused(q, k, v, fm, mask)
     assert bd._forward.launches["parallel"] == before + 1
-    for a, b in zip(serial, parallel):
+    for a, b in zip(serial, parallel, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -173,27 +177,43 @@ def test_inputs_are_not_modified() -> None:
     g = np.ones_like(out)
     options = {"hyperbolic": False, "scale": fm.scale, "key_mask": mask}
     bd.favor_bidirectional_backward(q, k, v, fm.projection, kv, mu, out, g, **options)
-    for x, c in zip((q, k, v, mask), copies):
+    for x, c in zip((q, k, v, mask), copies, strict=True):
         np.testing.assert_array_equal(x, c)
 
 
 def bad_calls() -> list:
     q = np.zeros((2, 5, 4))
     w = np.zeros((3, 4))
-    return [
-        ({"q": q.tolist()}, TypeError, "q must be a numpy.ndarray; got builtins.list"),
-        ({"k": q.astype(int)}, TypeError, "k must have a floating dtype; got int64"),
-        ({"projection": np.zeros((3, 5))}, ValueError, r"projection must have shape \(rows, 4\)"),
-        ({"v": np.zeros((2, 6, 4))}, ValueError, r"v must have shape \(\.\.\., 5, d_v\)"),
-        ({"k": np.zeros((2, 5, 3))}, ValueError, r"k must have shape \(\.\.\., 4\)"),
-        ({"q": np.zeros(4)}, ValueError, r"q must have shape \(\*batch, L, d\)"),
-        ({"key_mask": np.ones((2, 4), bool)}, ValueError, r"key_mask must have shape \(\.\.\., 5\)"),
-        ({"key_mask": np.ones((2, 5))}, TypeError, "key_mask must have dtype bool; got float64"),
-        ({"k": np.zeros((3, 5, 4)), "v": np.zeros((3, 5, 4))}, ValueError, "must broadcast"),
-        ({"scale": -1.0}, ValueError, "scale must be a positive float; got -1.0"),
-        ({"scale": "1"}, TypeError, "scale must be a positive float; got '1'"),
-        ({"hyperbolic": 1}, TypeError, "hyperbolic must be True or False; got 1"),
-    ], q, w
+    return (
+        [
+            ({"q": q.tolist()}, TypeError, "q must be a numpy.ndarray; got builtins.list"),
+            ({"k": q.astype(int)}, TypeError, "k must have a floating dtype; got int64"),
+            (
+                {"projection": np.zeros((3, 5))},
+                ValueError,
+                r"projection must have shape \(rows, 4\)",
+            ),
+            ({"v": np.zeros((2, 6, 4))}, ValueError, r"v must have shape \(\.\.\., 5, d_v\)"),
+            ({"k": np.zeros((2, 5, 3))}, ValueError, r"k must have shape \(\.\.\., 4\)"),
+            ({"q": np.zeros(4)}, ValueError, r"q must have shape \(\*batch, L, d\)"),
+            (
+                {"key_mask": np.ones((2, 4), bool)},
+                ValueError,
+                r"key_mask must have shape \(\.\.\., 5\)",
+            ),
+            (
+                {"key_mask": np.ones((2, 5))},
+                TypeError,
+                "key_mask must have dtype bool; got float64",
+            ),
+            ({"k": np.zeros((3, 5, 4)), "v": np.zeros((3, 5, 4))}, ValueError, "must broadcast"),
+            ({"scale": -1.0}, ValueError, "scale must be a positive float; got -1.0"),
+            ({"scale": "1"}, TypeError, "scale must be a positive float; got '1'"),
+            ({"hyperbolic": 1}, TypeError, "hyperbolic must be True or False; got 1"),
+        ],
+        q,
+        w,
+    )
 
 
 @pytest.mark.parametrize("index", range(12))
@@ -220,6 +240,6 @@ def test_backward_checks_its_cotangent() -> None:
 
 def test_no_keys_gives_zeros() -> None:
     q, w = np.ones((1, 3, 4)), np.ones((2, 4))
-    out, kv, mu = bd.favor_bidirectional(q, q[:, :0], q[:, :0], w, hyperbolic=False, scale=1.0)
+    out, _, mu = bd.favor_bidirectional(q, q[:, :0], q[:, :0], w, hyperbolic=False, scale=1.0)
     np.testing.assert_array_equal(out, 0.0)
     assert np.all(mu == -np.inf)

@@ -52,7 +52,7 @@ def test_autograd_equals_array_api_autograd() -> None:
                                 (q, k, v))  # fmt: skip
     portable = la.linear_attention(q, k, v, fm, key_mask=mask, backend="array_api")
     expected = torch.autograd.grad((g * portable).sum(), (q, k, v))
-    for a, b, x in zip(fused, expected, (q, k, v)):
+    for a, b, x in zip(fused, expected, (q, k, v), strict=True):
         assert a.shape == x.shape  # summed over the heads that share k and v
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
@@ -89,7 +89,7 @@ def test_compiles_without_graph_breaks() -> None:
 
 def test_non_cpu_tensors_are_refused() -> None:
     q = torch.zeros(1, 3, 4)
-    with pytest.raises(TypeError, match="v must be a torch CPU tensor; got numpy.ndarray"):
+    with pytest.raises(TypeError, match=r"v must be a torch CPU tensor; got numpy\.ndarray"):
         _torch.bidirectional(q, q, np.zeros((1, 3, 4)), torch.zeros(2, 4), None, False, 1.0)
 
 
