@@ -242,11 +242,13 @@ def _fused(x: Array, feature_map: FeatureMap | None) -> bool:
     return feature_map is not None and _library(x) == "numpy" and fused_map(feature_map)
 
 
-def fused_map(feature_map: FeatureMap) -> bool:
+def fused_map(feature_map: FeatureMap | None) -> bool:
     """The fused CPU kernels compute this map's features: the kinds that say so,
-    unrebalanced (also the decoding path's test, :mod:`linattn._decode`)."""
+    unrebalanced (also the test of the decoding path, :mod:`linattn._decode`, and of the
+    fused bidirectional pass)."""
     return (
-        feature_map._spec.fused
+        feature_map is not None
+        and feature_map._spec.fused
         and feature_map.rebalance_scales is None
         and feature_map.projection is not None
     )
@@ -322,3 +324,91 @@ def fused_causal(
         chunk_size=chunk_size,
         return_log_normaliser=return_log_normaliser,
     )
+
+
+# -- bidirectional attention ------------------------------------------------------------
+
+
+def bidirectional_fused(
+    x: Array, feature_map: FeatureMap | None, statistics: object, *, backend: Backend | None
+) -> bool:
+    """Whether the fused bidirectional CPU pass serves a call on arrays like ``x``.
+
+    NumPy arrays and torch CPU tensors (differentiable through the fused backward), the
+    kinds the fused passes compute, no per-call statistics, a kernel that can run, and a
+    backend other than ``"array_api"``; everything else takes the array-API pass
+    (:func:`linattn.causal.bidirectional`), as before.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> x, fm = np.zeros((4, 8)), la.FeatureMap(8, 16)
+    >>> bidirectional_fused(x, fm, None, backend="array_api")
+    False
+    """
+    if resolve_backend(backend) == "array_api" or statistics is not None:
+        return False
+    if not fused_map(feature_map) or not array_api_compat.is_array_api_obj(x):
+        return False
+    library = _library(x)
+    if (library == "torch" and x.device.type != "cpu") or library not in ("numpy", "torch"):
+        return False
+    return kernel_for(x)[0] is not None
+
+
+def fused_bidirectional(
+    q: Array, k: Array, v: Array, feature_map: FeatureMap, key_mask: Array | None
+) -> Array:
+    """Normalised bidirectional attention in the fused CPU pass (:func:`bidirectional_fused`):
+    features, state and readout block by block, no ``L x m`` array; compute dtype."""
+    projection, hyperbolic = _fused_map(feature_map)
+    if _library(q) == "torch":
+        import torch
+
+        from linattn_numba import _torch
+
+        projection = torch.tensor(projection, dtype=q.dtype)  # (a copy: the map's is read-only)
+        return _torch.bidirectional(q, k, v, projection, key_mask, hyperbolic, feature_map.scale)
+    from linattn_numba import _bidirectional
+
+    out, _, _ = _bidirectional.favor_bidirectional(
+        q, k, v, projection, hyperbolic=hyperbolic, scale=feature_map.scale, key_mask=key_mask
+    )
+    return out
+
+
+def fused_bidirectional_vjp(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    key_mask: Array | None,
+    grad_output: Array,
+) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of bidirectional attention by the fused forward and backward
+    passes (:func:`bidirectional_fused`); over the broadcast batch shape, compute dtype."""
+    from linattn_numba import _bidirectional
+
+    arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
+    torch_in = _library(q) == "torch"
+    if torch_in:  # (NumPy views of the CPU tensors; the results wrapped without copies)
+        arrays = tuple(None if x is None else x.detach().numpy() for x in arrays)
+    q, k, v, key_mask, grad_output = arrays
+    projection, hyperbolic = _fused_map(feature_map)
+    options: dict[str, Any] = {"hyperbolic": hyperbolic, "scale": feature_map.scale}
+    options["key_mask"] = key_mask
+    out, kv, log_shift = _bidirectional.favor_bidirectional(q, k, v, projection, **options)
+    grads: tuple[Any, ...] = _bidirectional.favor_bidirectional_backward(
+        q, k, v, projection, kv, log_shift, out, grad_output, **options
+    )
+    if torch_in:
+        import torch
+
+        grads = tuple(torch.from_numpy(g) for g in grads)
+    return grads[0], grads[1], grads[2]
+
+
+def _fused_map(feature_map: FeatureMap) -> tuple[Any, bool]:
+    assert feature_map.projection is not None
+    return feature_map.projection, feature_map.kind == "hyperbolic"

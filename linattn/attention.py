@@ -325,6 +325,9 @@ def linear_attention(
         normalised, kv, log_shift = _dispatch.fused_causal(
             q, k, v, feature_map, key_mask, kv, log_shift, chunk_size=chunk_size
         )
+    elif not causal and _dispatch.bidirectional_fused(q, feature_map, statistics, backend=backend):
+        # Two compiled passes (keys into the state, then queries), features included.
+        normalised = _dispatch.fused_bidirectional(q, k, v, feature_map, key_mask)
     else:
         operands = attention_operands(
             q, k, v, feature_map, info, batch, key_mask, work, statistics

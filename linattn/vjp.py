@@ -131,6 +131,17 @@ def linear_attention_vjp(
     m = feature_map.num_features
     # The same statistics linear_attention uses; constants for gradients there too.
     statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
+    if not causal and _dispatch.bidirectional_fused(q, feature_map, statistics, backend=backend):
+        # The fused passes: the forward's state, then the gradients, no L x m array.
+        dq, dk, d_values = _dispatch.fused_bidirectional_vjp(
+            q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False)
+        )
+        q, k, v = inputs  # gradients in the callers' dtypes
+        return (
+            _sum_to(xp, dq, tuple(q.shape), q.dtype),
+            _sum_to(xp, dk, tuple(k.shape), k.dtype),
+            _sum_to(xp, d_values, tuple(v.shape), v.dtype),
+        )
     log_phi_q, sign_q, log_phi_k, sign_k, values_aug = attention_operands(
         q, k, v, feature_map, info, batch, key_mask, work, statistics
     )

@@ -53,7 +53,16 @@ from torch import Tensor
 
 from linattn_numba import _contract
 
-__all__ = ["NAMESPACE", "causal", "causal_backward", "causal_forward", "causal_forward_scaled"]
+__all__ = [
+    "NAMESPACE",
+    "bidirectional",
+    "bidirectional_backward",
+    "bidirectional_forward",
+    "causal",
+    "causal_backward",
+    "causal_forward",
+    "causal_forward_scaled",
+]
 
 #: The operators' namespace: ``torch.ops.linattn.*``.
 NAMESPACE = "linattn"
@@ -270,3 +279,149 @@ _CausalBackward = _for_torch_func(causal_backward, _no_setup, _no_double_backwar
 causal_forward.register_vmap(_no_vmap("causal_forward"))
 causal_forward_scaled.register_vmap(_no_vmap("causal_forward_scaled"))
 causal_backward.register_vmap(_no_vmap("causal_backward"))
+
+
+# -- the fused bidirectional pass (features included) ---------------------------------
+
+BIDIRECTIONAL_INPUTS = ("q", "k", "v", "projection", "key_mask")
+
+
+def bidirectional(
+    q: Any, k: Any, v: Any, projection: Any, key_mask: Any, hyperbolic: bool, scale: float
+) -> Tensor:
+    """Normalised bidirectional FAVOR+ outputs from ``linattn::bidirectional_forward``,
+    differentiable in ``q``, ``k`` and ``v`` through ``linattn::bidirectional_backward``.
+
+    Every input must be a CPU tensor (``key_mask`` may be ``None``): ``TypeError`` names
+    the first that is not.  The tensors reach the kernel as NumPy views (no copy when
+    contiguous and of the compute dtype).
+    """
+    for name, x in zip(BIDIRECTIONAL_INPUTS, (q, k, v, projection, key_mask), strict=True):
+        if x is None and name == "key_mask":
+            continue
+        if not isinstance(x, Tensor) or x.device.type != "cpu":
+            device = getattr(x, "device", None)
+            got = f"{type(x).__module__}.{type(x).__name__}" + (f" on {device}" if device else "")
+            raise TypeError(f"{name} must be a torch CPU tensor; got {got}")
+    args = (q, k, v, projection, key_mask, bool(hyperbolic), float(scale))
+    if torch.compiler.is_compiling():
+        return torch.ops.linattn.bidirectional_forward(*args)[0]  # opaque to it
+    return _Bidirectional.apply(*args)[0]
+
+
+def _numpy(x: Tensor | None) -> Any:
+    return None if x is None else x.detach().numpy()
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::bidirectional_forward", mutates_args=(), device_types="cpu"
+)
+def bidirectional_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    key_mask: Tensor | None,
+    hyperbolic: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(outputs, kv, log_shift)``: ``linattn_numba._bidirectional.favor_bidirectional``."""
+    from linattn_numba import _bidirectional
+
+    results = _bidirectional.favor_bidirectional(
+        *(_numpy(x) for x in (q, k, v, projection)),
+        hyperbolic=hyperbolic,
+        scale=scale,
+        key_mask=_numpy(key_mask),
+    )
+    return tuple(torch.from_numpy(r) for r in results)  # type: ignore[return-value]
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::bidirectional_backward", mutates_args=(), device_types="cpu"
+)
+def bidirectional_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    key_mask: Tensor | None,
+    hyperbolic: bool,
+    scale: float,
+    kv: Tensor,
+    log_shift: Tensor,
+    outputs: Tensor,
+    grad_output: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` over the broadcast batch shape, stabilisers held constant."""
+    from linattn_numba import _bidirectional
+
+    grads = _bidirectional.favor_bidirectional_backward(
+        *(_numpy(x) for x in (q, k, v, projection, kv, log_shift, outputs, grad_output)),
+        hyperbolic=hyperbolic,
+        scale=scale,
+        key_mask=_numpy(key_mask),
+    )
+    return tuple(torch.from_numpy(g) for g in grads)  # type: ignore[return-value]
+
+
+def _bidirectional_batch(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Any:
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+    return torch.broadcast_shapes(*shapes, *([] if key_mask is None else [key_mask.shape[:-1]]))
+
+
+@bidirectional_forward.register_fake
+def _fake_bidirectional(
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, key_mask: Tensor | None, hyperbolic: bool,
+    scale: float,
+) -> Any:  # fmt: skip
+    dtype = _compute_dtype(q)
+    batch = _bidirectional_batch(q, k, v, key_mask)
+    m, dv = projection.shape[0] * (2 if hyperbolic else 1), v.shape[-1]
+    return (
+        q.new_empty((*batch, q.shape[-2], dv), dtype=dtype),
+        q.new_empty((*batch, m, dv + 1), dtype=dtype),
+        q.new_empty((*batch, m), dtype=dtype),
+    )
+
+
+@bidirectional_backward.register_fake
+def _fake_bidirectional_backward(
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, key_mask: Tensor | None, *rest: Any
+) -> Any:
+    dtype = _compute_dtype(q)
+    batch = _bidirectional_batch(q, k, v, key_mask)
+    return tuple(q.new_empty((*batch, *x.shape[-2:]), dtype=dtype) for x in (q, k, v))
+
+
+def _bidirectional_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    q, k, v, projection, key_mask, hyperbolic, scale = inputs
+    out, kv, log_shift = output
+    ctx.save_for_backward(q, k, v, projection, key_mask, kv, log_shift, out)
+    ctx.options = (hyperbolic, scale)
+    ctx.mark_non_differentiable(kv, log_shift)  # (the state: its gradient is not served)
+
+
+def _bidirectional_grads(
+    ctx: Any, d_out: Tensor, _d_kv: Tensor | None, _d_log_shift: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    q, k, v, projection, key_mask, kv, log_shift, out = ctx.saved_tensors
+    hyperbolic, scale = ctx.options
+    d_out = d_out.to(out.dtype).contiguous()
+    grads = _BidirectionalBackward.apply(
+        q, k, v, projection, key_mask, hyperbolic, scale, kv, log_shift, out, d_out
+    )
+    needed = ctx.needs_input_grad
+    summed = [
+        g.sum_to_size(x.shape).to(x.dtype) if needed[i] else None
+        for i, (g, x) in enumerate(zip(grads, (q, k, v), strict=True))
+    ]
+    return (*summed, None, None, None, None)
+
+
+bidirectional_forward.register_autograd(_bidirectional_grads, setup_context=_bidirectional_setup)
+bidirectional_backward.register_autograd(_no_double_backward, setup_context=_no_setup)
+_Bidirectional = _for_torch_func(bidirectional_forward, _bidirectional_setup, _bidirectional_grads)
+_BidirectionalBackward = _for_torch_func(bidirectional_backward, _no_setup, _no_double_backward)
+bidirectional_forward.register_vmap(_no_vmap("bidirectional_forward"))
+bidirectional_backward.register_vmap(_no_vmap("bidirectional_backward"))
