@@ -33,9 +33,7 @@ def _repeated(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_equals_repeated_keys(backend: Backend, causal: bool) -> None:
     q, k, v, keep = _inputs()
-    expected = la.linear_attention(
-        q, _repeated(k), _repeated(v), FM, causal=causal, key_mask=keep
-    )
+    expected = la.linear_attention(q, _repeated(k), _repeated(v), FM, causal=causal, key_mask=keep)
     xq, xk, xv, xmask = (backend.asarray(a) for a in (q, k, v, keep))
     gq, gk, gv, gmask, ungroup = grouped(xq, xk, xv, xmask)
     out = ungroup(la.linear_attention(gq, gk, gv, FM, causal=causal, key_mask=gmask))
@@ -46,9 +44,7 @@ def test_per_query_head_mask_and_state(backend: Backend) -> None:
     """A (B, H, L) mask, and decoding in two pieces with the grouped state."""
     q, k, v, _ = _inputs()
     keep = np.random.default_rng(1).random((B, H, L)) > 0.3
-    expected = la.linear_attention(
-        q, _repeated(k), _repeated(v), FM, causal=True, key_mask=keep
-    )
+    expected = la.linear_attention(q, _repeated(k), _repeated(v), FM, causal=True, key_mask=keep)
     xq, xk, xv, xmask = (backend.asarray(a) for a in (q, k, v, keep))
     gq, gk, gv, gmask, ungroup = grouped(xq, xk, xv, xmask)
     cut = 10
@@ -86,7 +82,7 @@ def test_grouping_is_views_of_torch_tensors() -> None:
     torch = pytest.importorskip("torch")
     q, k, v, keep = (torch.from_numpy(a) for a in _inputs())
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a (B, L, H, d) layout, as in models
-    gq, gk, gv, _, ungroup = grouped(q, k, v, keep)
+    gq, gk, _, _, _ = grouped(q, k, v, keep)
     assert gq.data_ptr() == q.data_ptr() and gk.data_ptr() == k.data_ptr()
     assert gk.stride()[2] == 0 or gk.shape[2] == 1
 

@@ -272,7 +272,7 @@ def test_refusals() -> None:
         fast(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.bool).triu(2))
     with pytest.raises(ValueError, match="key_padding_mask must be boolean"):
         fast(x, x, x, key_padding_mask=torch.full((1, 4), -1.0))
-    with pytest.raises(ValueError, match="dropout must be 0.0"):
+    with pytest.raises(ValueError, match=r"dropout must be 0\.0"):
         MultiheadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, dropout=0.1))
     dropped = MultiheadAttention.from_torch(
         torch.nn.MultiheadAttention(8, 2, dropout=0.1), dropout=0.0
@@ -280,7 +280,7 @@ def test_refusals() -> None:
     assert dropped.dropout == 0.0
     with pytest.raises(ValueError, match="add_bias_kv must be False"):
         MultiheadAttention(8, 2, add_bias_kv=True)
-    with pytest.raises(TypeError, match="mha must be a torch.nn.MultiheadAttention"):
+    with pytest.raises(TypeError, match=r"mha must be a torch\.nn\.MultiheadAttention"):
         MultiheadAttention.from_torch(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="redraw_interval must be a positive integer"):
         FastAttention(8, 16, redraw_interval=0)
