@@ -48,10 +48,10 @@ def run(q, k, v, projection, consts, chunk, span, level):  # type: ignore[no-unt
                 weights = square[0][: c * c].reshape(c, c)
                 intra = square[1][: c * c].reshape(c, c)
                 ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
-                g, run_max, w = vecs[3][:c], vecs[4][:c], vecs[5][:c]
+                g, run_max, w, fq = vecs[3][:c], vecs[4][:c], vecs[5][:c], vecs[7][:c]
                 has_state = cpu._safe_shift(mu, ms)
                 lqc, lkc, vac = lq[t0 : t0 + c], lk[t0 : t0 + c], va[t0 : t0 + c]
-                cpu._chunk_shifts(lqc, lkc, ms, has_state, u, psi, g, run_max, w, weights)
+                cpu._chunk_shifts(lqc, lkc, ms, has_state, u, psi, g, run_max, w, weights, fq)
                 if level >= 3:
                     np.dot(u, psi.T, intra)
                     intra *= weights

@@ -34,6 +34,7 @@ __all__ = [
     "kernel_for",
     "kernel_status",
     "resolve_backend",
+    "window_kernel_for",
 ]
 
 #: Who may run causal attention: the argument ``backend=`` of every front-door function.
@@ -176,9 +177,17 @@ def causal(
     *,
     chunk_size: int,
     plan: Plan,
-) -> CausalResult:
-    """Chunked causal attention on the plan's path; same results either way."""
+    return_log_scale: bool = False,
+) -> tuple[Array, ...]:
+    """Chunked causal attention on the plan's path; same results either way.
+
+    With ``return_log_scale`` also each row's log-scale (:func:`linattn.causal.causal`).
+    """
     if plan.kernel is not None:
+        if return_log_scale:
+            return plan.kernel(
+                log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size, return_log_scale=True
+            )
         return plan.kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
     return causal_path.causal(
         xp,
@@ -191,6 +200,7 @@ def causal(
         log_shift,
         chunk_size,
         tokens_per_pass=plan.tokens_per_pass,
+        return_log_scale=return_log_scale,
     )
 
 
@@ -228,11 +238,15 @@ def _tokens_per_pass(x: Array) -> int | None:
 
 
 def _fused(x: Array, feature_map: FeatureMap | None) -> bool:
-    """The fused CPU pass takes NumPy arrays and the kinds that say so, unrebalanced."""
+    """The fused CPU pass takes NumPy arrays and the maps of :func:`fused_map`."""
+    return feature_map is not None and _library(x) == "numpy" and fused_map(feature_map)
+
+
+def fused_map(feature_map: FeatureMap) -> bool:
+    """The fused CPU kernels compute this map's features: the kinds that say so,
+    unrebalanced (also the decoding path's test, :mod:`linattn._decode`)."""
     return (
-        feature_map is not None
-        and _library(x) == "numpy"
-        and feature_map._spec.fused
+        feature_map._spec.fused
         and feature_map.rebalance_scales is None
         and feature_map.projection is not None
     )
@@ -245,6 +259,23 @@ def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     except ImportError as error:
         return None, f"linattn_numba cannot be imported ({error}); install linattn[numba]"
     return linattn_numba.causal_kernel_for(x)
+
+
+def window_kernel_for(x: Array) -> Any:
+    """The compiled window part for arrays like ``x``, or ``None`` (the portable code runs).
+
+    NumPy arrays where ``linattn_numba`` imports and ``$LINATTN_BACKEND`` is not
+    ``"array_api"``: the module :mod:`linattn_numba._window`, whose ``banded_partial``
+    and ``banded_partial_backward`` have the contract of ``linattn.hybrid.banded_partial``
+    and of its adjoint.
+    """
+    if _library(x) != "numpy" or resolve_backend(None) == "array_api":
+        return None
+    try:
+        from linattn_numba import _window
+    except ImportError:
+        return None
+    return _window
 
 
 def _numpy_backward() -> Callable[..., Any] | None:
@@ -267,11 +298,13 @@ def fused_causal(
     log_shift: Array,
     *,
     chunk_size: int,
-) -> CausalResult:
+    return_log_normaliser: bool = False,
+) -> tuple[Array, ...]:
     """Features, causal attention and normalisation in one compiled pass (``plan.fused``).
 
-    Returns ``(outputs, kv, log_shift)`` with outputs normalised, in the compute dtype;
-    it never holds an ``L x m`` feature array (the path for long sequences).
+    Returns ``(outputs, kv, log_shift)`` with outputs normalised, in the compute dtype
+    (and each output's log-normaliser when asked, for merging partials); it never holds
+    an ``L x m`` feature array (the path for long sequences).
     """
     from linattn_numba import cpu
 
@@ -287,4 +320,5 @@ def fused_causal(
         kv=kv,
         log_shift=log_shift,
         chunk_size=chunk_size,
+        return_log_normaliser=return_log_normaliser,
     )

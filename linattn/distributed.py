@@ -289,8 +289,11 @@ def dask_linear_attention(
     if state is not None:
         info = replace(info, batch_shape=_check_state(state, feature_map, info, work))
     check_statistics_for_causal(feature_map.kind, feature_map.needs_calibration, causal)
-    if feature_map.needs_calibration:
-        feature_map = feature_map.calibrate(q, k, key_mask=key_mask)
+    if feature_map.needs_calibration:  # in self-attention the key mask marks padded queries
+        same = q.shape[-2] == k.shape[-2]
+        feature_map = feature_map.calibrate(
+            q, k, key_mask=key_mask, query_mask=key_mask if same else None
+        )
     # Computed in the state's dtype, like linear_attention; the outputs are cast back.
     inputs = _layout(q, k, v, key_mask, info, feature_map, causal=causal, dtype=work)
     options: dict[str, Any] = {"chunk_size": chunk_size, "backend": backend}

@@ -15,6 +15,8 @@ exact.
 
 from __future__ import annotations
 
+from typing import Any
+
 from linattn import _dispatch
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
@@ -41,6 +43,10 @@ def linear_attention_vjp(
     key_mask: Array | None = None,
     chunk_size: int = 64,
     backend: Backend | None = None,
+    window: int | None = None,
+    sink_keys: int = 0,
+    exact_key_mask: Array | None = None,
+    scale: float | None = None,
 ) -> tuple[Array, Array, Array]:
     """Gradients of ``sum(grad_output * linear_attention(q, k, v, feature_map, ...))``.
 
@@ -48,12 +54,13 @@ def linear_attention_vjp(
     ----------
     q, k, v : arrays
         As for :func:`linattn.linear_attention`.
-    feature_map : FeatureMap
-        Any kind; the projection is held fixed (no gradient).
+    feature_map : FeatureMap or None
+        Any kind; the projection is held fixed (no gradient).  ``None`` with exact parts
+        (exact sparse attention), as for :func:`linattn.linear_attention`.
     grad_output : array, shape ``(..., L_q, d_v)``
         Cotangent of the output, with the output's (broadcast) shape.
-    causal, key_mask, chunk_size, backend
-        As for :func:`linattn.linear_attention`.
+    causal, key_mask, chunk_size, backend, window, sink_keys, exact_key_mask, scale
+        As for :func:`linattn.linear_attention` (no state: a whole sequence).
 
     Returns
     -------
@@ -76,12 +83,28 @@ def linear_attention_vjp(
     >>> bool(abs((f(v2) - f(v)) / eps - dv[0, 3, 1]) < 1e-5)
     True
     """
+    if grad_output is None:
+        raise TypeError("grad_output must be an array shaped like the output; got None")
+    if window is not None or sink_keys != 0 or exact_key_mask is not None:
+        return _exact_parts_vjp(
+            q,
+            k,
+            v,
+            feature_map,
+            grad_output,
+            causal=causal,
+            key_mask=key_mask,
+            chunk_size=chunk_size,
+            backend=backend,
+            window=window,
+            sink_keys=sink_keys,
+            exact_key_mask=exact_key_mask,
+            scale=scale,
+        )
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
         )
-    if grad_output is None:
-        raise TypeError("grad_output must be an array shaped like the output; got None")
     info = check_attention_inputs(
         q,
         k,
@@ -154,6 +177,60 @@ def linear_attention_vjp(
         _sum_to(xp, dk, tuple(k.shape), k.dtype),
         _sum_to(xp, d_values, tuple(v.shape), v.dtype),
     )
+
+
+def _exact_parts_vjp(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap | None,
+    grad_output: Array,
+    *,
+    backend: Backend | None,
+    **options: Any,
+) -> tuple[Array, Array, Array]:
+    """The VJP of hybrid attention: each part's adjoint (:func:`linattn.hybrid.parts_vjp`)."""
+    from linattn import hybrid
+    from linattn.attention import exact_parts_call
+
+    if feature_map is not None and not isinstance(feature_map, FeatureMap):
+        raise TypeError(
+            f"feature_map must be a linattn.FeatureMap or None; got {type(feature_map).__name__}"
+        )
+    plan = _dispatch.causal_plan(q, feature_map, backend=backend)
+    call = exact_parts_call(
+        q,
+        k,
+        v,
+        feature_map,
+        state=None,
+        return_state=False,
+        plan=plan,
+        extra={"grad_output": grad_output},
+        **options,
+    )
+    info, xp = call.info, call.info.xp
+    float_dtype(xp, "grad_output", grad_output)
+    shape = (*call.batch, info.query_length, info.value_dim)
+    if tuple(grad_output.shape) != shape:
+        raise ValueError(
+            f"grad_output must have the output's shape {shape}; got {tuple(grad_output.shape)}"
+        )
+    work = compute_dtype(xp, info.dtype)
+    dq, dk, dv = hybrid.parts_vjp(xp, call.parts, xp.astype(grad_output, work, copy=False))
+    keep = call.keep[..., None]  # masked keys were zeroed before anything was computed
+    zeros = {"q": q, "k": k, "v": v}
+    grads = {"q": dq, "k": dk, "v": dv}
+    out = []
+    for name in ("q", "k", "v"):
+        g = grads[name]
+        x = zeros[name]
+        if g is None:
+            g = xp.zeros((*call.batch, *x.shape[-2:]), dtype=work, device=info.device)
+        elif name != "q":
+            g = xp.where(keep, g, constant(xp, 0.0, g))
+        out.append(_sum_to(xp, g, tuple(x.shape), x.dtype))
+    return out[0], out[1], out[2]
 
 
 def _normalise_vjp(xp: Namespace, outputs_aug: Array, grad: Array) -> Array:

@@ -10,7 +10,11 @@ Kernel contract (CPU and CUDA alike)::
 
 with shapes ``(*batch, L, m)``, ``(*batch, L, m)``, ``(*batch, L, d_v + 1)``,
 ``(*batch, m, d_v + 1)``, ``(*batch, m)`` and the same algorithm, and results, as
-``linattn.causal.causal`` (see its module docstring for the stabilisers).
+``linattn.causal.causal`` (see its module docstring for the stabilisers).  With the
+keyword ``return_log_scale=True`` every kernel returns a fourth array, ``log_scale`` of
+shape ``(*batch, L)``: the true ``[numerator | denominator]`` of row ``t`` is
+``exp(log_scale[t]) * outputs_aug[t]``, so ``log(outputs_aug[..., -1]) + log_scale`` is
+the log-normaliser (a stabiliser, like ``log_shift_out``: no gradient of its own).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 __all__ = ["causal_kernel_for", "cpu_status", "cuda_status"]
 
-Kernel = Callable[..., tuple[Any, Any, Any]]
+Kernel = Callable[..., tuple[Any, ...]]
 
 
 def cpu_status() -> str:

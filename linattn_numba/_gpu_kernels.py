@@ -33,6 +33,9 @@ thread per state entry), at the price of keeping the state before every chunk,
     the state gradients of ``l(q)`` (``dO S_n^T``) and ``l(k)`` (``[V | 1] dS_{n+1}^T``);
 ``backward_intra_queries``, ``backward_intra_keys``
     the intra-chunk gradients;
+``log_scale``
+    each output row's log-scale ``F_t + Gmax_t``: the true ``[numerator |
+    denominator]`` is ``exp(F_t + Gmax_t)`` times the row (a stabiliser, on request);
 ``chunk_features``, ``causal_select``, ``combine_readout``
     the elementwise parts of the vendor-BLAS design (:mod:`linattn_numba._gpu_blas`):
     the features of every chunk written once, zero-padded to whole chunks,
@@ -95,6 +98,7 @@ KERNEL_NAMES = (
     "feature_readout",
     "backward_intra_queries",
     "backward_intra_keys",
+    "log_scale",
     "chunk_features",
     "causal_select",
     "combine_readout",
@@ -535,6 +539,15 @@ def _build(dt: Any) -> SimpleNamespace:
                 cuda.syncthreads()
 
     @cuda.jit
+    def log_scale(F, Gm, out):
+        """``out[b, t] = F_t + Gmax_t``: every factor of row ``t`` that the stabilisers
+        took out (``u`` is shifted by ``F_t``, all of its terms by ``Gmax_t``)."""
+        t = cuda.blockIdx.x * TT + cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        if t < F.shape[1]:
+            out[b, t] = F[b, t] + Gm[b, t]
+
+    @cuda.jit
     def chunk_features(lq, lk, va, mus, F, G, Gm, flo, u, psi, phi, vap):
         """``u``, ``psi``, ``phi (B, N, C, m)`` and ``[V | 1]`` ``vap (B, N, C, D)`` of
         every chunk, 0 past ``L``; one block per padded token, a thread per column."""
@@ -590,6 +603,7 @@ def _build(dt: Any) -> SimpleNamespace:
         feature_readout=feature_readout,
         backward_intra_queries=backward_intra_queries,
         backward_intra_keys=backward_intra_keys,
+        log_scale=log_scale,
         chunk_features=chunk_features,
         causal_select=causal_select,
         combine_readout=combine_readout,
@@ -612,6 +626,7 @@ def signatures(precision: str) -> dict[str, str]:
         "feature_readout": f"void({a3}, {a3}, {a3}, {stats}, {a4}, {a3}, {i}, {i}, {i})",
         "backward_intra_queries": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {i}, {i})",
         "backward_intra_keys": f"void({a3}, {a3}, {a3}, {a3}, {stats}, {a3}, {a3}, {i}, {i})",
+        "log_scale": f"void({a2}, {a2}, {a2})",
         "chunk_features": f"void({a3}, {a3}, {a3}, {stats}, {a4}, {a4}, {a4}, {a4})",
         "causal_select": f"void({a4}, {a2}, {a2})",
         "combine_readout": f"void({a4}, {a4}, {a2}, {a2}, {a3})",

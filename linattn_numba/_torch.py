@@ -1,5 +1,6 @@
 """The causal kernels as torch custom operators: ``torch.ops.linattn.causal_forward``
-and ``torch.ops.linattn.causal_backward``, on CPU and CUDA tensors.
+(and ``causal_forward_scaled``, which also returns each row's ``log_scale``) and
+``torch.ops.linattn.causal_backward``, on CPU and CUDA tensors.
 
 Registered through ``torch.library.custom_op`` when this module is first imported
 (by ``linattn_numba.cpu`` or ``linattn_numba.gpu``, when a torch tensor first
@@ -17,7 +18,10 @@ and per-key shifts inside it) are treated as constants by the backward pass.  Th
 is exact for the normalised outputs ``O[..., :d_v] / O[..., d_v]`` and for anything
 computed from the state that does not change when the shift does, because
 numerator and denominator share every shift.  The output ``log_shift`` is therefore
-marked non-differentiable.  The *input* state ``(S, mu)`` stands for ``S exp(mu)``,
+marked non-differentiable, and so is ``causal_forward_scaled``'s ``log_scale`` (the
+true ``[num | den]`` is ``exp(log_scale)`` times the output row): the log-normaliser
+``log(outputs_aug[..., -1]) + log_scale`` gets its exact gradient through the
+denominator column.  The *input* state ``(S, mu)`` stands for ``S exp(mu)``,
 so the input ``mu`` gets the gradient of that product, ``d mu = sum_e dS * S``: a
 state whose ``mu`` was computed with gradients (by the array-API path) continues
 exactly.
@@ -35,6 +39,9 @@ Examples
 >>> out[..., 0].sum().backward()
 >>> va.grad[0, :, 0].tolist()  # each value reaches its own and every later output
 [3.0, 2.0, 1.0]
+>>> out, _, _, scale = _torch.causal("cpu", lq, lq, va, kv, mu, 2, return_log_scale=True)
+>>> (out[..., 1].log() + scale).exp().tolist()  # the true denominators
+[[1.0, 2.0, 3.0]]
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from torch import Tensor
 
 from linattn_numba import _contract
 
-__all__ = ["NAMESPACE", "causal", "causal_backward", "causal_forward"]
+__all__ = ["NAMESPACE", "causal", "causal_backward", "causal_forward", "causal_forward_scaled"]
 
 #: The operators' namespace: ``torch.ops.linattn.*``.
 NAMESPACE = "linattn"
@@ -55,19 +62,33 @@ Grads = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def causal(
-    device_type: str, lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: Any
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``causal_forward`` after checking that every input is a tensor on ``device_type``
-    (``TypeError`` naming the first that is not) and that ``chunk_size`` is an integer."""
+    device_type: str,
+    lq: Any,
+    lk: Any,
+    va: Any,
+    kv: Any,
+    mu: Any,
+    chunk_size: Any,
+    *,
+    return_log_scale: bool = False,
+) -> tuple[Tensor, ...]:
+    """``causal_forward`` (``causal_forward_scaled`` with ``return_log_scale``) after
+    checking that every input is a tensor on ``device_type`` (``TypeError`` naming the
+    first that is not) and that ``chunk_size`` is an integer."""
     for name, x in zip(_contract.INPUTS, (lq, lk, va, kv, mu), strict=True):
         if not isinstance(x, Tensor) or x.device.type != device_type:
             device = getattr(x, "device", None)
             got = f"{type(x).__module__}.{type(x).__name__}" + (f" on {device}" if device else "")
             raise TypeError(f"{name} must be a torch {device_type.upper()} tensor; got {got}")
     chunk = _contract.check_chunk_size(chunk_size)  # (the operator takes a Python int)
+    op, function = (
+        (torch.ops.linattn.causal_forward_scaled, _CausalScaled)
+        if return_log_scale
+        else (torch.ops.linattn.causal_forward, _Causal)
+    )
     if torch.compiler.is_compiling():
-        return torch.ops.linattn.causal_forward(lq, lk, va, kv, mu, chunk)  # opaque to it
-    return _Causal.apply(lq, lk, va, kv, mu, chunk)  # (the same, as torch.func needs it)
+        return op(lq, lk, va, kv, mu, chunk)  # opaque to it
+    return function.apply(lq, lk, va, kv, mu, chunk)  # (the same, as torch.func needs it)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::causal_forward", mutates_args=(), device_types="cpu")
@@ -83,6 +104,26 @@ def causal_forward(
     from linattn_numba import cpu
 
     return cpu._torch_forward(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::causal_forward_scaled", mutates_args=(), device_types="cpu"
+)
+def causal_forward_scaled(
+    log_phi_q: Tensor,
+    log_phi_k: Tensor,
+    values_aug: Tensor,
+    kv: Tensor,
+    log_shift: Tensor,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(outputs_aug, kv_out, log_shift_out, log_scale)``: ``causal_forward`` and each
+    row's log-scale ``(*batch, L)`` (``linattn_numba.cpu.numpy_forward``)."""
+    from linattn_numba import cpu
+
+    return cpu._torch_forward(
+        log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size, return_log_scale=True
+    )
 
 
 @torch.library.custom_op(f"{NAMESPACE}::causal_backward", mutates_args=(), device_types="cpu")
@@ -117,6 +158,7 @@ def _on_gpu(name: str) -> Any:
 
 
 causal_forward.register_kernel("cuda")(_on_gpu("_torch_forward"))
+causal_forward_scaled.register_kernel("cuda")(_on_gpu("_torch_forward_scaled"))
 causal_backward.register_kernel("cuda")(_on_gpu("_torch_backward"))
 
 
@@ -138,6 +180,14 @@ def _fake_forward(lq: Tensor, lk: Tensor, va: Tensor, kv: Tensor, mu: Tensor, ch
     return _fresh_like(va, dtype), _fresh_like(kv, dtype), _fresh_like(mu, dtype)
 
 
+@causal_forward_scaled.register_fake
+def _fake_forward_scaled(
+    lq: Tensor, lk: Tensor, va: Tensor, kv: Tensor, mu: Tensor, chunk: int
+) -> Any:
+    log_scale = va.new_empty(va.shape[:-1], dtype=_compute_dtype(lq))
+    return (*_fake_forward(lq, lk, va, kv, mu, chunk), log_scale)
+
+
 @causal_backward.register_fake
 def _fake_backward(lq: Tensor, lk: Tensor, va: Tensor, kv: Tensor, *rest: Any) -> Any:
     dtype = _compute_dtype(lq)
@@ -151,11 +201,11 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
     *tensors, chunk_size = inputs
     ctx.save_for_backward(*tensors)
     ctx.chunk_size = chunk_size
-    ctx.mark_non_differentiable(output[2])  # the output log_shift: a stabiliser
+    ctx.mark_non_differentiable(*output[2:])  # log_shift (and log_scale): stabilisers
 
 
 def _backward(
-    ctx: Any, d_out: Tensor, d_kv: Tensor, _d_log_shift: Tensor | None
+    ctx: Any, d_out: Tensor, d_kv: Tensor, *_d_stabilisers: Tensor | None
 ) -> tuple[Tensor | None, ...]:
     lq, lk, va, kv, mu = ctx.saved_tensors
     grads = _CausalBackward.apply(lq, lk, va, kv, mu, ctx.chunk_size, d_out, d_kv)
@@ -165,6 +215,7 @@ def _backward(
 
 
 causal_forward.register_autograd(_backward, setup_context=_setup_context)
+causal_forward_scaled.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _no_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -214,6 +265,8 @@ def _for_torch_func(op: Any, setup_context: Any, backward: Any) -> Any:
 
 
 _Causal = _for_torch_func(causal_forward, _setup_context, _backward)
+_CausalScaled = _for_torch_func(causal_forward_scaled, _setup_context, _backward)
 _CausalBackward = _for_torch_func(causal_backward, _no_setup, _no_double_backward)
 causal_forward.register_vmap(_no_vmap("causal_forward"))
+causal_forward_scaled.register_vmap(_no_vmap("causal_forward_scaled"))
 causal_backward.register_vmap(_no_vmap("causal_backward"))

@@ -179,9 +179,10 @@ def _safe_shift(mu, ms):
 
 
 @_jit()
-def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights):
-    """Queries ``u``, keys ``psi``, ``G``, running ``R``, state weights ``w`` and the
-    masked intra-chunk weights ``exp(G_j - R_t)`` (lower triangle) of one chunk."""
+def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq):
+    """Queries ``u``, their shifts ``F`` (into ``fq``), keys ``psi``, ``G``, running ``R``,
+    state weights ``w`` and the masked intra-chunk weights ``exp(G_j - R_t)`` (lower
+    triangle) of one chunk."""
     c, m = lq.shape
     zero = ms[0] - ms[0]
     for i in range(c):
@@ -192,6 +193,7 @@ def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights):
                 f = x
         if not np.isfinite(f):
             f = zero
+        fq[i] = f
         for r in range(m):
             u[i, r] = fast_exp(lq[i, r] + ms[r] - f)
     for j in range(c):
@@ -298,17 +300,25 @@ def _mask_later_keys(products, weights):
 
 
 @_jit()
-def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, product):
-    """Unnormalised outputs of one chunk into ``block``; then ``(kv, mu)`` absorb its keys."""
+def _chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, product, scale_out):
+    """Unnormalised outputs of one chunk into ``block``; then ``(kv, mu)`` absorb its keys.
+
+    ``scale_out`` gets each row's log-scale ``F_t + R_t`` (true ``[num | den]`` is
+    ``exp(F_t + R_t)`` times the row) when it has the chunk's length; pass an empty
+    array to skip it.
+    """
     c, m = lq.shape
     d = va.shape[1]
     u, psi, phi = work[0][:c], work[1][:c], work[2][:c]
     weights = square[0][: c * c].reshape(c, c)
     intra = square[1][: c * c].reshape(c, c)
     ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
-    g, run, w = vecs[3][:c], vecs[4][:c], vecs[5][:c]
+    g, run, w, fq = vecs[3][:c], vecs[4][:c], vecs[5][:c], vecs[7][:c]
     has_state = _safe_shift(mu, ms)
-    _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
+    _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq)
+    if scale_out.shape[0] == c:
+        for i in range(c):
+            scale_out[i] = fq[i] + run[i]
     np.dot(u, psi.T, intra)
     _mask_later_keys(intra, weights)
     np.dot(u, kv, state_out[:c])
@@ -325,14 +335,15 @@ def _workspace(chunk, m, d, dtype):
     return (
         np.empty((3, chunk, m), dtype),
         np.empty((2, chunk * chunk), dtype),
-        np.empty((7, max(m, chunk)), dtype),
+        np.empty((8, max(m, chunk)), dtype),
         np.empty((chunk, d), dtype),
         np.empty((m, d), dtype),
     )
 
 
 @_variants
-def _forward(lq, lk, va, kv, mu, chunk, out):
+def _forward(lq, lk, va, kv, mu, chunk, out, log_scale):
+    """All heads; ``log_scale`` is ``(batch, L)``, or ``(batch, 0)`` to skip it."""
     batch, length, m = lq.shape
     for b in prange(batch):
         work, square, vecs, state_out, product = _workspace(chunk, m, va.shape[2], lq.dtype)
@@ -340,7 +351,7 @@ def _forward(lq, lk, va, kv, mu, chunk, out):
             t1 = min(t0 + chunk, length)
             _chunk_forward(
                 lq[b][t0:t1], lk[b][t0:t1], va[b][t0:t1], kv[b], mu[b], out[b][t0:t1],
-                work, square, vecs, state_out, product,
+                work, square, vecs, state_out, product, log_scale[b][t0:t1],
             )  # fmt: skip
 
 
@@ -396,8 +407,12 @@ FEATURE_BLOCK = 256
 
 
 @_variants
-def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out):
-    """Features, causal attention and normalisation per block: no ``L x m`` array anywhere."""
+def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out, lse):
+    """Features, causal attention and normalisation per block: no ``L x m`` array anywhere.
+
+    ``lse`` (``(batch, L)``, or ``(batch, 0)`` to skip it) gets the log of each row's true
+    denominator, ``-inf`` where the row sees no key.
+    """
     batch, length, _ = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
@@ -428,10 +443,14 @@ def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk,
             for t0 in range(0, n, chunk):
                 t1 = min(t0 + chunk, n)
                 c = t1 - t0
+                scale = lse[b][s0 + t0 : s0 + t1]
                 _chunk_forward(
                     lq[t0:t1], lk[t0:t1], va[t0:t1], kv[b], mu[b], block[:c],
-                    work, square, vecs, state_out, product,
+                    work, square, vecs, state_out, product, scale,
                 )  # fmt: skip
+                for i in range(scale.shape[0]):
+                    # log(0) = -inf: a row that sees no key; NaN stays NaN.
+                    scale[i] = np.log(block[i, dv]) + scale[i]
                 for i in range(c):
                     den = block[i, dv]
                     if den != 0:
@@ -455,13 +474,13 @@ def _chunk_backward(
     d = va.shape[1]
     u, psi, du, dpsi, phi = rows[0][:c], rows[1][:c], rows[2][:c], rows[3][:c], rows[4][:c]
     ms, decay, shift = vecs[0][:m], vecs[1][:m], vecs[2][:m]
-    g, run, w = vecs[3][:c], vecs[4][:c], vecs[5][:c]
+    g, run, w, fq = vecs[3][:c], vecs[4][:c], vecs[5][:c], vecs[7][:c]
     weights = square[0][: c * c].reshape(c, c)
     intra = square[1][: c * c].reshape(c, c)
     paired = square[2][: c * c].reshape(c, c)
     scaled = scaled[:c]
     has_state = _safe_shift(mu, ms)
-    _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights)
+    _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq)
     full = _shift_between(mu, mu_next, ms, shift, decay)
     _key_features(lk, shift, decay, psi, g, full, phi)
     np.dot(u, psi.T, intra)
@@ -570,7 +589,7 @@ def _head_backward(
 def _backward_workspace(chunk, m, d, dtype):
     return (
         np.empty((5, chunk, m), dtype),
-        np.empty((7, max(m, chunk)), dtype),
+        np.empty((8, max(m, chunk)), dtype),
         np.empty((3, chunk * chunk), dtype),
         np.empty((chunk, d), dtype),
         np.empty((m, d), dtype),
@@ -634,8 +653,19 @@ def numpy_forward(
     kv: np.ndarray,
     log_shift: np.ndarray,
     chunk_size: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    *,
+    return_log_scale: bool = False,
+) -> tuple[np.ndarray, ...]:
     """The causal kernel on NumPy arrays: ``(outputs_aug, kv_out, log_shift_out)``.
+
+    With ``return_log_scale=True`` also ``log_scale`` of shape ``(*batch, L)``: row ``t``
+    of ``outputs_aug`` is the true ``[numerator | denominator]`` (with the state's keys
+    in their true scale) times ``exp(-log_scale[t])``, so
+    ``log(outputs_aug[..., -1]) + log_scale`` is the log-normaliser
+    ``log sum_j phi(q_t) . phi(k_j)`` (``-inf`` where the row sees no key).  Like
+    ``log_shift_out`` it is a stabiliser: finite, held constant by :func:`numpy_backward`
+    (exact: the gradient of the log-normaliser flows through the denominator column,
+    ``d outputs_aug[..., -1] = d lse / outputs_aug[..., -1]``).
 
     Examples
     --------
@@ -646,6 +676,9 @@ def numpy_forward(
     >>> out, kv, mu = numpy_forward(lq, lq, va, *empty, 2)
     >>> out[0, :, 0] / out[0, :, 1]
     array([0. , 0.5, 1. ])
+    >>> *_, scale = numpy_forward(lq, lq, va, *empty, 2, return_log_scale=True)
+    >>> np.exp(np.log(out[..., 1]) + scale)  # t + 1 keys, each of weight 2 (two features)
+    array([[2., 4., 6.]])
     """
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
     sizes, dtype = _check(_contract.named(inputs), chunk_size)
@@ -654,14 +687,19 @@ def numpy_forward(
     mu = _fresh(log_shift, sizes.flat("shift"), dtype)
     state = _without_empty_rows(_fresh(kv, sizes.flat("state"), dtype), mu)
     out = np.empty(sizes.flat("values"), dtype)
+    log_scale = np.empty((sizes.batch, sizes.length if return_log_scale else 0), dtype)
     variant = _machinery.choose_variant(sizes.batch, sizes.length, sizes.m * sizes.width)
     with _single_threaded_blas():
-        _forward.run(variant, lq, lk, va, state, mu, _chunk(sizes.chunk, sizes.length), out)
-    return (
+        chunk = _chunk(sizes.chunk, sizes.length)
+        _forward.run(variant, lq, lk, va, state, mu, chunk, out, log_scale)
+    results = (
         out.reshape(sizes.shape("values")),
         state.reshape(sizes.shape("state")),
         mu.reshape(sizes.shape("shift")),
     )
+    if return_log_scale:
+        return (*results, log_scale.reshape((*sizes.batch_shape, sizes.length)))
+    return results
 
 
 def _chunk(chunk_size: int, length: int) -> int:
@@ -682,7 +720,11 @@ def numpy_backward(
     """Vector-Jacobian product of :func:`numpy_forward` (stabilisers held constant).
 
     Returns ``(d_log_phi_q, d_log_phi_k, d_values_aug, d_kv_in)`` for cotangents
-    ``d_outputs_aug`` of the outputs and ``d_kv`` of the final state.
+    ``d_outputs_aug`` of the outputs and ``d_kv`` of the final state.  The forward's
+    ``log_scale`` is a stabiliser (no cotangent): for cotangents ``g`` of the normalised
+    output ``o = num / den`` and ``g_lse`` of the log-normaliser
+    ``lse = log(den) + log_scale``, pass ``d_outputs_aug = [g / den, (g_lse - g . o) / den]``
+    with ``[num | den] = outputs_aug`` as the forward returned it (0 where ``den = 0``).
     """
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift, d_outputs_aug, d_kv)
     sizes, dtype = _check(_contract.named(inputs, ("d_outputs_aug", "d_kv")), chunk_size)
@@ -734,7 +776,8 @@ def favor_causal(
     kv: np.ndarray,
     log_shift: np.ndarray,
     chunk_size: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return_log_normaliser: bool = False,
+) -> tuple[np.ndarray, ...]:
     """Causal FAVOR+ in one pass: features, attention and normalisation chunk by chunk.
 
     The same results as ``FeatureMap.signed_log_features`` followed by
@@ -748,6 +791,10 @@ def favor_causal(
     -------
     (outputs, kv_out, log_shift_out)
         Normalised outputs ``(*batch, L, d_v)`` in the compute dtype and the state.
+    log_normaliser : ndarray, shape ``(*batch, L)``
+        Only with ``return_log_normaliser=True``, after the three: the log of each
+        output's true denominator, ``log sum_j phi(q_t) . phi(k_j)`` over the keys it
+        sees (those of the incoming state included), ``-inf`` where it sees none.
 
     Examples
     --------
@@ -759,6 +806,11 @@ def favor_causal(
     array([[0., 1.],
            [1., 2.],
            [2., 3.]])
+    >>> *_, lse = favor_causal(x, x, v, w, hyperbolic=False, scale=1.0, key_mask=None,
+    ...     kv=np.zeros((1, 2, 3)), log_shift=np.full((1, 2), -np.inf), chunk_size=2,
+    ...     return_log_normaliser=True)
+    >>> np.exp(lse)  # phi(0) . phi(0) = 1 per key
+    array([[1., 2., 3.]])
     """
     dtype = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
     rows, head_dim = projection.shape
@@ -788,17 +840,21 @@ def favor_causal(
     consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
     scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
     out = np.empty((n, length, dv), dtype)
+    lse = np.empty((n, length if return_log_normaliser else 0), dtype)
     variant = _machinery.choose_variant(n, length, m * (dv + 1))
     with _single_threaded_blas():
         _forward_fused.run(
             variant, qf, kf, vf, maskf, scaled_projection, consts,
-            bool(hyperbolic), state, mu, chunk, out,
+            bool(hyperbolic), state, mu, chunk, out, lse,
         )  # fmt: skip
-    return (
+    results = (
         out.reshape((*batch, length, dv)),
         state.reshape((*batch, m, dv + 1)),
         mu.reshape((*batch, m)),
     )
+    if return_log_normaliser:
+        return (*results, lse.reshape((*batch, length)))
+    return results
 
 
 # -- torch ----------------------------------------------------------------------------
@@ -806,12 +862,15 @@ def favor_causal(
 # the first torch tensor arrives); these are their CPU implementations.
 
 
-def _torch_forward(lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int) -> Any:
+def _torch_forward(
+    lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int, return_log_scale: bool = False
+) -> Any:
     """:func:`numpy_forward` on NumPy views of CPU tensors; results are fresh tensors."""
     import torch
 
     lq, lk, va, kv, mu = (x.detach().numpy() for x in (lq, lk, va, kv, mu))
-    return tuple(torch.from_numpy(r) for r in numpy_forward(lq, lk, va, kv, mu, chunk_size))
+    results = numpy_forward(lq, lk, va, kv, mu, chunk_size, return_log_scale=return_log_scale)
+    return tuple(torch.from_numpy(r) for r in results)
 
 
 def _torch_backward(
@@ -827,11 +886,14 @@ def _torch_backward(
     return tuple(torch.from_numpy(g) for g in grads)
 
 
-def _torch_kernel(lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int) -> Any:
-    """``torch.ops.linattn.causal_forward`` on CPU tensors (autograd and compile included)."""
+def _torch_kernel(
+    lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int, *, return_log_scale: bool = False
+) -> Any:
+    """``torch.ops.linattn.causal_forward`` on CPU tensors (autograd and compile included);
+    ``causal_forward_scaled`` with ``return_log_scale`` (see :func:`numpy_forward`)."""
     from linattn_numba._torch import causal  # (registers the operators on first use)
 
-    return causal("cpu", lq, lk, va, kv, mu, chunk_size)
+    return causal("cpu", lq, lk, va, kv, mu, chunk_size, return_log_scale=return_log_scale)
 
 
 def causal_kernel(library: str) -> Callable[..., Any]:
@@ -845,6 +907,9 @@ def causal_kernel(library: str) -> Callable[..., Any]:
     >>> out, kv, mu = kernel(lq, lq, va, np.zeros((1, 3)), np.full(1, -np.inf), 64)
     >>> out.tolist()
     [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]
+
+    Every kernel also takes ``return_log_scale=True`` and then returns ``log_scale``
+    fourth (:func:`numpy_forward`).
     """
     if library == "numpy":
         return numpy_forward

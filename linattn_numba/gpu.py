@@ -372,11 +372,16 @@ def forward(
     chunk_size: int,
     design_name: str | None = None,
     allow_tf32: bool | None = None,
-) -> tuple[Any, Any, Any]:
+    *,
+    return_log_scale: bool = False,
+) -> tuple[Any, ...]:
     """Chunked causal attention: ``(outputs_aug, kv_out, log_shift_out)`` in ``library``'s type.
 
     Same contract and results as ``linattn.causal.causal`` (see ``linattn_numba``).
     ``design_name`` and ``allow_tf32`` override ``design()`` (for tests and timing).
+    With ``return_log_scale``, also ``log_scale (*batch, L)``, the stabilisers taken out
+    of each row: true ``[num | den] = exp(log_scale) * outputs_aug`` (as on the CPU,
+    ``linattn_numba.cpu.numpy_forward``; the same value up to rounding).
     """
     inputs = (log_phi_q, log_phi_k, values_aug, kv, log_shift)
     p = _check(LIBRARIES[library], _contract.named(inputs), chunk_size)
@@ -386,6 +391,7 @@ def forward(
         lq, lk = p.prepare(log_phi_q, "features"), p.prepare(log_phi_k, "features")
         va = p.prepare(values_aug, "values")
         out = p.empty("values")
+        scale = p.empty((p.batch, p.length)) if return_log_scale else None
         if p.batch and p.length:
             launch, state, kv_out, mu_out, stats = _scan(p, lq, lk, kv, log_shift)
             arrays = (lq, lk, va, state, out, kv_out)
@@ -393,10 +399,16 @@ def forward(
                 _gpu_blas.forward(p, launch, arrays, stats, tf32)
             else:
                 _forward_kernels(p, launch, arrays, stats)
+            if scale is not None:
+                grid = (-(-p.length // (TILE * TILE)), p.batch)
+                launch("log_scale", grid, (TILE * TILE,), stats[1], stats[3], scale)
         else:
             kv_out = p.lib.copy(kv, p.flat("state"), p.dtype)
             mu_out = p.lib.copy(log_shift, p.flat("shift"), p.dtype)
-        return p.result(out, "values"), p.result(kv_out, "state"), p.result(mu_out, "shift")
+        results = p.result(out, "values"), p.result(kv_out, "state"), p.result(mu_out, "shift")
+        if scale is None:
+            return results
+        return (*results, p.lib.result(scale, (*p.batch_shape, p.length)))
 
 
 def _forward_kernels(
@@ -507,9 +519,14 @@ def backward(
 # Entry points of the kernel contract.
 
 
-def _torch_forward(*args: Any) -> tuple[Any, Any, Any]:
+def _torch_forward(*args: Any) -> tuple[Any, ...]:
     """The CUDA implementation of ``torch.ops.linattn.causal_forward``."""
     return forward("torch", *args)
+
+
+def _torch_forward_scaled(*args: Any) -> tuple[Any, ...]:
+    """The CUDA implementation of ``torch.ops.linattn.causal_forward_scaled``."""
+    return forward("torch", *args, return_log_scale=True)
 
 
 def _torch_backward(*args: Any) -> tuple[Any, Any, Any, Any]:
@@ -518,15 +535,16 @@ def _torch_backward(*args: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def _torch_kernel(
-    lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int
-) -> tuple[Any, Any, Any]:
-    """``torch.ops.linattn.causal_forward`` (autograd and ``torch.compile`` included)."""
+    lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int, *, return_log_scale: bool = False
+) -> tuple[Any, ...]:
+    """``torch.ops.linattn.causal_forward`` (autograd and ``torch.compile`` included);
+    ``causal_forward_scaled`` with ``return_log_scale`` (see :func:`forward`)."""
     from linattn_numba._torch import causal  # (registers the operators on first use)
 
-    return causal("cuda", lq, lk, va, kv, mu, chunk_size)
+    return causal("cuda", lq, lk, va, kv, mu, chunk_size, return_log_scale=return_log_scale)
 
 
-def causal_kernel(library: str) -> Callable[..., tuple[Any, Any, Any]]:
+def causal_kernel(library: str) -> Callable[..., tuple[Any, ...]]:
     """The contract's ``kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)``.
 
     ``library`` is ``"cupy"`` or ``"torch"`` (CUDA tensors, through the custom
