@@ -25,11 +25,11 @@ from linattn.state import LinearAttentionState
 __all__ = ["FastAttention", "Projection"]
 
 
-class Projection(nnx.Variable):  # type: ignore[misc]
+class Projection(nnx.Variable):
     """A random-feature projection: state of the module, never a trainable parameter."""
 
 
-class FastAttention(nnx.Module):  # type: ignore[misc]
+class FastAttention(nnx.Module):
     """Random-feature attention on ``(B, H, L, d)`` arrays (grouped key heads allowed).
 
     Parameters are those of :class:`linattn.torch.FastAttention` without the redraw
@@ -127,7 +127,7 @@ class FastAttention(nnx.Module):  # type: ignore[misc]
             return
         adopted = FeatureMap.from_projection(
             np.asarray(self.projection.get_value(), dtype=np.float64),
-            kind=fm.kind,
-            scale=fm.scale,  # type: ignore[arg-type]
+            kind=fm.kind,  # type: ignore[arg-type]
+            scale=fm.scale,
         )
         self.feature_map = adopted._replace(rebalance=fm.rebalance)

@@ -245,7 +245,7 @@ def _feature_map(
     feature_map = FeatureMap(
         head_dim,
         settings["num_features"],
-        kind=kind,
+        kind=kind,  # type: ignore[arg-type]
         scale=scaling,
         seed=settings["seed"] + _layer_index(module),  # each layer its own draw
         rebalance=not causal and kind in SOFTMAX_KINDS,  # per-call statistics: encoders only
