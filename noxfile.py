@@ -19,6 +19,9 @@ nox.options.sessions = [
     "torch",
     "jax",
     "dask",
+    "layers_torch",
+    "flax",
+    "transformers",
     "kernels",
     "cudasim",
     "ptx",
@@ -82,6 +85,36 @@ def jax(session: nox.Session) -> None:
 def dask(session: nox.Session) -> None:
     """Dask arrays, lazy, on the default scheduler and a local distributed cluster."""
     _test(session, "dask", "dask[array]>=2024.8", "distributed>=2024.8")
+
+
+def _layers(session: nox.Session, tests: str, *install: str) -> None:
+    """One framework's layer tests; torch first, pinned, where the framework needs it."""
+    if any(name.startswith(("torch", "transformers")) for name in install):
+        session.install(TORCH)
+    session.install("-e", ".", *TEST, *install)
+    session.run("pytest", tests, *session.posargs, env={"LINATTN_TEST_BACKENDS": "numpy"})
+
+
+@nox.session(python=PYTHON)
+def layers_torch(session: nox.Session) -> None:
+    """linattn.torch (FastAttention, MultiheadAttention) and grouped-query attention."""
+    _layers(session, "tests/test_layers_torch.py", TORCH)
+    session.run(
+        "pytest", "tests/test_gqa.py", *session.posargs,
+        env={"LINATTN_TEST_BACKENDS": "numpy,torch"},
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def flax(session: nox.Session) -> None:
+    """linattn.flax (the nnx module) under nnx.jit and nnx.grad."""
+    _layers(session, "tests/test_layers_flax.py", "flax>=0.12")
+
+
+@nox.session(python=PYTHON)
+def transformers(session: nox.Session) -> None:
+    """attn_implementation="linattn" on small random BERT and GPT-2 models."""
+    _layers(session, "tests/test_transformers_integration.py", TORCH, "transformers>=5")
 
 
 @nox.session(python=PYTHON)

@@ -1,0 +1,1 @@
+"""Integrations with model libraries; each submodule imports its library, this package none."""

@@ -1,0 +1,303 @@
+"""The torch layers: FastAttention's buffers and redraw schedule, the MultiheadAttention
+drop-in, torch.compile, autocast and gradients."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import linattn as la  # noqa: E402
+import linattn.torch as lt  # noqa: E402
+from linattn.torch import FastAttention, MultiheadAttention  # noqa: E402
+
+B, H, L, D = 2, 3, 20, 8
+
+
+#: Dynamo warns when it traces array-api-compat's lru_cache'd type checks (their result
+#: depends only on the type, so tracing through the cache is exact).
+#: Dynamo also reads ``.grad`` of the non-leaf tensors it is handed (torch's own warning).
+def UNDER_DYNAMO(test):  # type: ignore[no-untyped-def]
+    test = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools")(test)
+    return pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not")(test)
+
+
+def _qkv(dtype: torch.dtype = torch.float32, requires_grad: bool = False) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (0.5 * torch.randn(B, H, L, D, generator=generator, dtype=dtype)).requires_grad_(
+            requires_grad
+        )
+        for _ in range(3)
+    ]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fast_attention_is_linear_attention_with_the_seed_map(causal: bool) -> None:
+    q, k, v = _qkv()
+    keep = torch.rand(B, L, generator=torch.Generator().manual_seed(1)) > 0.2
+    layer = FastAttention(D, 32, causal=causal, seed=5)
+    kind = "hyperbolic" if causal else "hyperbolic_oprf"
+    fm = la.FeatureMap(D, 32, kind=kind, seed=5, rebalance=not causal)
+    assert layer.feature_map.fingerprint == fm.fingerprint
+    expected = la.linear_attention(q, k, v, fm, causal=causal, key_mask=keep[:, None, :])
+    torch.testing.assert_close(layer(q, k, v, keep), expected, rtol=0, atol=0)
+
+
+def test_grouped_query_heads() -> None:
+    q, k, v = _qkv()
+    k, v = k[:, :1], v[:, :1]  # one key/value head for three query heads broadcasts
+    layer = FastAttention(D, 32, causal=True)
+    expected = layer(q, k.expand(-1, H, -1, -1), v.expand(-1, H, -1, -1))
+    torch.testing.assert_close(layer(q, k, v), expected)
+    q6 = torch.cat([q, q], dim=1)  # six query heads, three key/value heads: groups of two
+    expected = layer(q6, k.repeat(1, 6, 1, 1), v.repeat(1, 6, 1, 1))
+    torch.testing.assert_close(layer(q6, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1)), expected)
+
+
+def test_buffers_travel_in_the_state_dict() -> None:
+    q, k, v = _qkv()
+    source = FastAttention(D, 32, causal=True, seed=1, redraw_interval=2)
+    source.redraw_projection()
+    target = FastAttention(D, 32, causal=True, seed=99)
+    assert sorted(source.state_dict()) == ["draws", "forward_calls", "projection"]
+    target.load_state_dict(source.state_dict())
+    assert int(target.draws) == 1
+    torch.testing.assert_close(target(q, k, v), source(q, k, v), rtol=0, atol=0)
+    other = FastAttention(D, 32, causal=True, seed=99)
+    assert not torch.equal(other(q, k, v), source(q, k, v))
+
+
+def test_redraw_schedule_counts_training_calls_with_gradients() -> None:
+    q, k, v = _qkv(requires_grad=True)
+    layer = FastAttention(D, 16, causal=True, seed=3, redraw_interval=3)
+    first = layer.projection.clone()
+    for _ in range(2):
+        layer(q, k, v)
+    assert torch.equal(layer.projection, first)
+    with torch.no_grad():
+        layer(q, k, v)  # no gradients: not a training step
+    layer.eval()
+    layer(q, k, v)  # eval never redraws
+    layer.train()
+    layer(q, k, v)  # the third counted call
+    assert (int(layer.forward_calls), int(layer.draws)) == (3, 1)
+    fresh = la.gaussian_projection(8, D, seed=3 + 1)
+    torch.testing.assert_close(layer.projection, torch.from_numpy(fresh), rtol=0, atol=0)
+
+
+def test_every_replica_draws_the_same_projections() -> None:
+    """Two ranks' layers, same seed and steps: the same matrices, no communication."""
+    q, k, v = _qkv(requires_grad=True)
+    ranks = [FastAttention(D, 16, causal=True, redraw_interval=2) for _ in range(2)]
+    for layer in ranks:
+        for _ in range(5):
+            layer(q, k, v)
+    assert int(ranks[0].draws) == 2
+    assert torch.equal(ranks[0].projection, ranks[1].projection)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recomputation_does_not_count(use_reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = _qkv(requires_grad=True)
+    layer = FastAttention(D, 16, causal=True, redraw_interval=1)
+    q2 = q * 1.0  # a non-leaf, so the reentrant checkpoint's forward records a graph
+    out = checkpoint(layer, q2, k, v, use_reentrant=use_reentrant)
+    draws = int(layer.draws)
+    out.sum().backward()  # recomputes layer's forward inside the backward pass
+    assert int(layer.draws) == draws
+    # The non-reentrant forward runs with gradients (counted once); the reentrant one
+    # runs under no_grad (not counted, as any call without gradients).
+    assert draws == (0 if use_reentrant else 1)
+
+
+def test_public_redraw_and_the_map_follow_the_buffer() -> None:
+    layer = FastAttention(D, 16, kind="positive", causal=True, seed=7)
+    before = layer.feature_map.fingerprint
+    layer.redraw_projection()
+    assert layer.feature_map.fingerprint == la.FeatureMap(D, 16, seed=8).fingerprint != before
+    doubled = {**layer.state_dict(), "projection": 2 * layer.projection}
+    layer.load_state_dict(doubled)
+    np.testing.assert_array_equal(layer._feature_map.projection, doubled["projection"].numpy())
+
+
+@UNDER_DYNAMO
+def test_compiles_in_one_graph_and_redraws_without_recompiling() -> None:
+    from torch._dynamo.utils import counters
+
+    q, k, v = _qkv(requires_grad=True)
+    layer = FastAttention(D, 16, causal=True, redraw_interval=1)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer.eval())(q, k, v)
+    layer.train()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+        str(r.reason) for r in explained.break_reasons
+    ]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, backend="aot_eager")
+    previous = None
+    for _ in range(4):
+        out = compiled(q, k, v)
+        out.sum().backward()
+        layer.eval()
+        torch.testing.assert_close(out, layer(q, k, v))  # the map after this call's redraw
+        layer.train()
+        assert previous is None or not torch.equal(out, previous)
+        previous = out
+    assert int(layer.draws) == 4
+    # Four redraws, at most one recompilation (dynamo 2.13 recompiles once after the
+    # first call, reporting "runtime guards failed even though they passed"): the
+    # projection is no guarded constant.
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+def test_autocast_bfloat16_keeps_float32_state() -> None:
+    q, k, v = (x.to(torch.bfloat16) for x in _qkv())
+    layer = FastAttention(D, 32, causal=True)
+    expected = la.linear_attention(
+        *(x.float() for x in (q, k, v)), layer.feature_map, causal=True
+    ).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, state = layer(q, k, v, return_state=True)
+    assert out.dtype == torch.bfloat16 and state.kv.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_gradients_match_finite_differences() -> None:
+    q, k, v = (x[:1, :1, :6] for x in _qkv(torch.float64))
+    layer = FastAttention(D, 8, causal=True, kind="positive", backend="array_api")
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *a: layer(*a), inputs)
+
+
+def test_decoding_state_continues_the_sequence() -> None:
+    q, k, v = _qkv()
+    layer = FastAttention(D, 16, causal=True).eval()
+    whole = layer(q, k, v)
+    first, state = layer(q[..., :12, :], k[..., :12, :], v[..., :12, :], return_state=True)
+    rest = layer(q[..., 12:, :], k[..., 12:, :], v[..., 12:, :], state=state)
+    torch.testing.assert_close(torch.cat([first, rest], dim=-2), whole)
+
+
+@pytest.mark.skipif(
+    "window" in inspect.signature(la.linear_attention).parameters,
+    reason="linear_attention has the hybrid's options",
+)
+def test_hybrid_options_need_the_hybrid() -> None:
+    with pytest.raises(ValueError, match="window need a linattn"):
+        FastAttention(D, 16, causal=True, window=8)
+
+
+def test_importing_linattn_does_not_import_torch() -> None:
+    code = "import sys, linattn; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+# -- MultiheadAttention ---------------------------------------------------------------
+
+
+@pytest.fixture
+def exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact softmax in place of the features: the layer's wiring against torch's, exactly."""
+
+    def softmax(q, k, v, feature_map, *, causal, key_mask, **_):  # type: ignore[no-untyped-def]
+        return la.softmax_attention(q, k, v, causal=causal, key_mask=key_mask)
+
+    monkeypatch.setattr(lt, "linear_attention", softmax)
+
+
+@pytest.mark.usefixtures("exact")
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("dims", [{}, {"kdim": 6, "vdim": 10}])
+def test_multihead_attention_matches_torch(batch_first: bool, dims: dict[str, int]) -> None:
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(12, 3, batch_first=batch_first, **dims)
+    fast = MultiheadAttention.from_torch(mha, num_features=16)
+    shape = (2, 9) if batch_first else (9, 2)
+    x = torch.randn(*shape, 12)
+    key, value = (
+        torch.randn(*shape, dims.get("kdim", 12)),
+        torch.randn(*shape, dims.get("vdim", 12)),
+    )
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[1, -4:] = True
+    expected, _ = mha(x, key, value, key_padding_mask=padding)
+    out, weights = fast(x, key, value, key_padding_mask=padding)
+    assert weights is None
+    torch.testing.assert_close(out, expected)
+    additive = torch.zeros(2, 9).masked_fill(padding, -torch.inf)
+    torch.testing.assert_close(fast(x, key, value, key_padding_mask=additive)[0], expected)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(9)
+    expected, _ = mha(x, key, value, attn_mask=causal)
+    torch.testing.assert_close(fast(x, key, value, attn_mask=causal)[0], expected)
+    torch.testing.assert_close(fast(x, key, value, attn_mask=causal.isinf())[0], expected)
+
+
+@pytest.mark.usefixtures("exact")
+def test_unbatched_input() -> None:
+    mha = torch.nn.MultiheadAttention(8, 2, bias=False)
+    fast = MultiheadAttention.from_torch(mha)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(fast(x, x, x)[0], mha(x, x, x)[0])
+
+
+def test_multihead_attention_estimates_softmax() -> None:
+    """Random features: the module's output is linear attention of the same projections."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    fast = MultiheadAttention.from_torch(mha, num_features=32, causal=True)
+    x = torch.randn(2, 7, 16)
+    q, k, v = fast._in_projection(x, x, x)
+    attention = la.linear_attention(q, k, v, fast.attention.feature_map, causal=True)
+    expected = fast.out_proj(attention.transpose(1, 2).reshape(2, 7, 16))
+    torch.testing.assert_close(fast(x, x, x)[0], expected, rtol=0, atol=0)
+    assert "attention.projection" in fast.state_dict()
+
+
+def test_refusals() -> None:
+    fast = MultiheadAttention(8, 2)
+    x = torch.randn(4, 1, 8)
+    with pytest.raises(ValueError, match="need_weights must be False"):
+        fast(x, x, x, need_weights=True)
+    with pytest.raises(ValueError, match="attn_mask must be the causal mask of shape"):
+        fast(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.bool).triu(2))
+    with pytest.raises(ValueError, match="key_padding_mask must be boolean"):
+        fast(x, x, x, key_padding_mask=torch.full((1, 4), -1.0))
+    with pytest.raises(ValueError, match=r"dropout must be 0\.0"):
+        MultiheadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, dropout=0.1))
+    dropped = MultiheadAttention.from_torch(
+        torch.nn.MultiheadAttention(8, 2, dropout=0.1), dropout=0.0
+    )
+    assert dropped.dropout == 0.0
+    with pytest.raises(ValueError, match="add_bias_kv must be False"):
+        MultiheadAttention(8, 2, add_bias_kv=True)
+    with pytest.raises(TypeError, match=r"mha must be a torch\.nn\.MultiheadAttention"):
+        MultiheadAttention.from_torch(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="redraw_interval must be a positive integer"):
+        FastAttention(8, 16, redraw_interval=0)
+
+
+@UNDER_DYNAMO
+def test_multihead_attention_compiles_and_trains() -> None:
+    torch.manual_seed(0)
+    fast = MultiheadAttention(16, 2, batch_first=True, causal=True, num_features=16)
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fast)(x, x, x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    scheduled = MultiheadAttention(16, 2, batch_first=True, causal=True, redraw_interval=5)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(scheduled)(x, x, x)
+    assert explained.graph_break_count == 2  # the schedule's host hook, documented
+    compiled = torch.compile(fast, backend="aot_eager")
+    compiled(x, x, x)[0].sum().backward()
+    assert fast.in_proj_weight.grad is not None and x.grad is not None
