@@ -15,7 +15,7 @@ from typing import Any
 
 from linattn._xp import Array, namespace_of
 
-__all__ = ["grouped"]
+__all__ = ["group_mask", "grouped"]
 
 Ungroup = Callable[[Array], Array]
 
@@ -108,6 +108,12 @@ def _grouped_mask(xp: Any, key_mask: Array, heads: int, kv_heads: int, group: in
         f"key_mask's head axis (axis -2) must be 1, the key/value head count {kv_heads} or "
         f"the query head count {heads}; got key_mask shape {tuple(key_mask.shape)}"
     )
+
+
+def group_mask(mask: Array, heads: int, kv_heads: int) -> Array:
+    """A mask shaped like ``key_mask`` (for the query heads) on the grouped batch axes."""
+    xp = namespace_of({"mask": mask})
+    return _grouped_mask(xp, mask, heads, kv_heads, heads // kv_heads)
 
 
 def _identity(out: Array) -> Array:

@@ -22,6 +22,7 @@ from linattn._checks import (
     check_statistics_for_causal,
 )
 from linattn._dispatch import Backend
+from linattn._gqa import group_mask, grouped
 from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, from_host
 from linattn.calibration import Statistics, per_call_statistics
 from linattn.features import FeatureMap, Kind
@@ -73,6 +74,9 @@ def softmax_attention(
     >>> la.softmax_attention(q, k, v, causal=True)[0]
     array([1., 0., 0.])
     """
+    q, k, v, key_mask, ungroup = _grouped(q, k, v, key_mask)
+    if ungroup is not None:
+        return ungroup(softmax_attention(q, k, v, causal=causal, key_mask=key_mask, scale=scale))
     info = check_attention_inputs(q, k, v, key_mask=key_mask, causal=causal, head_dim=None)
     xp = info.xp
     scale = check_scale(scale, q.shape[-1])
@@ -225,6 +229,29 @@ def linear_attention(
     >>> print(f"mean squared error {np.mean((out - exact) ** 2):.0e}")
     mean squared error 6e-06
     """
+    q, k, v, key_mask, ungroup = _grouped(q, k, v, key_mask)
+    if ungroup is not None:  # grouped-query attention: broadcasting, no copies
+        if exact_key_mask is not None and exact_key_mask.ndim >= 2:
+            exact_key_mask = group_mask(
+                exact_key_mask, int(q.shape[-3]) * int(q.shape[-4]), int(k.shape[-4])
+            )
+        result: Any = linear_attention(  # type: ignore[call-overload,misc]
+            q,
+            k,
+            v,
+            feature_map,
+            causal=causal,
+            key_mask=key_mask,
+            state=state,
+            return_state=return_state,
+            chunk_size=chunk_size,
+            backend=backend,
+            window=window,
+            sink_keys=sink_keys,
+            exact_key_mask=exact_key_mask,
+            scale=scale,
+        )
+        return (ungroup(result[0]), result[1]) if return_state else ungroup(result)
     hybrid_asked = window is not None or sink_keys != 0 or exact_key_mask is not None
     if state is not None and not hybrid_asked:
         # A decoding step (a few tokens after a state): cheap exact checks and one kernel
@@ -698,6 +725,27 @@ def favor_attention(
         sink_keys=sink_keys,
         exact_key_mask=exact_key_mask,
     )
+
+
+def _grouped(
+    q: Array, k: Array, v: Array, key_mask: Array | None
+) -> tuple[Array, Array, Array, Array | None, Any]:
+    """Grouped-query inputs (fewer key/value heads, :mod:`linattn._gqa`) as broadcasting ones.
+
+    Only where the heads differ and the inputs are well formed: anything else passes
+    through to the checks, which name what is wrong (a mask of another rank included,
+    before its axes could be read as heads).
+    """
+    arrays = (q, k, v)
+    if (
+        all(array_api_compat.is_array_api_obj(x) and x.ndim >= 3 for x in arrays)
+        and q.ndim == k.ndim == v.ndim
+        and q.shape[-3] != k.shape[-3]
+        and k.shape[-3] != 1  # one key head (or grouped already) broadcasts as it is
+        and (key_mask is None or getattr(key_mask, "ndim", None) in (1, k.ndim - 1))
+    ):
+        return grouped(q, k, v, key_mask)
+    return q, k, v, key_mask, None
 
 
 def _state_arrays(state: object) -> dict[str, Array]:
