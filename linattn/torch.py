@@ -11,7 +11,6 @@ Importing :mod:`linattn` never imports this module (or torch).
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -27,7 +26,7 @@ from linattn.state import LinearAttentionState
 
 __all__ = ["FastAttention", "MultiheadAttention"]
 
-#: The hybrid's options, accepted once :func:`linattn.linear_attention` has them.
+#: The hybrid's options (:mod:`linattn.hybrid`), passed to :func:`linattn.linear_attention`.
 HYBRID_OPTIONS = ("window", "sink_keys")
 
 
@@ -287,16 +286,8 @@ def _after_load(module: FastAttention, incompatible: Any) -> None:
 
 
 def _hybrid_options(**options: Any) -> dict[str, Any]:
-    """The hybrid's options that were set, refused while linear_attention lacks them."""
-    given = {name: value for name, value in options.items() if value not in (None, 0)}
-    known = inspect.signature(linear_attention).parameters
-    missing = [name for name in given if name not in known]
-    if missing:
-        raise ValueError(
-            f"{', '.join(missing)} need a linattn whose linear_attention accepts them "
-            f"(the window/sink hybrid); got {given} with this version"
-        )
-    return given
+    """The hybrid's options that were set (``linear_attention`` checks their values)."""
+    return {name: value for name, value in options.items() if value not in (None, 0)}
 
 
 class MultiheadAttention(nn.Module):

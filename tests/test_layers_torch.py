@@ -3,7 +3,6 @@ drop-in, torch.compile, autocast and gradients."""
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 
@@ -185,15 +184,6 @@ def test_decoding_state_continues_the_sequence() -> None:
     first, state = layer(q[..., :12, :], k[..., :12, :], v[..., :12, :], return_state=True)
     rest = layer(q[..., 12:, :], k[..., 12:, :], v[..., 12:, :], state=state)
     torch.testing.assert_close(torch.cat([first, rest], dim=-2), whole)
-
-
-@pytest.mark.skipif(
-    "window" in inspect.signature(la.linear_attention).parameters,
-    reason="linear_attention has the hybrid's options",
-)
-def test_hybrid_options_need_the_hybrid() -> None:
-    with pytest.raises(ValueError, match="window need a linattn"):
-        FastAttention(D, 16, causal=True, window=8)
 
 
 def test_importing_linattn_does_not_import_torch() -> None:

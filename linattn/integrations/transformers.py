@@ -40,7 +40,7 @@ def register(**options: Any) -> None:
     **options
         ``num_features`` (256), ``kind`` (``"hyperbolic"`` for decoders,
         ``"hyperbolic_oprf"`` with per-call statistics for encoders), ``seed`` (0),
-        ``window`` and ``sink_keys`` (the hybrid, once available).  A model's
+        ``window`` and ``sink_keys`` (the window/sink hybrid).  A model's
         ``config.linattn = {...}`` overrides them per model.
 
     Examples
