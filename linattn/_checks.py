@@ -20,6 +20,7 @@ __all__ = [
     "check_attention_inputs",
     "check_chunk_size",
     "check_key_mask",
+    "check_query_mask",
     "check_scale",
     "check_state_options",
     "check_statistics_for_causal",
@@ -78,8 +79,15 @@ def key_mask_batch_shape(key_mask: Array, k: Array) -> tuple[int, ...]:
     return broadcast_shapes({"key_mask": tuple(key_mask.shape[:-1]), "k": tuple(k.shape[:-2])})
 
 
-def check_key_mask(xp: Namespace, key_mask: Array, key_length: int) -> None:
-    """``key_mask`` is boolean with shape ``(..., key_length)``."""
+def check_key_mask(
+    xp: Namespace, key_mask: Array, key_length: int, *, k: Array, q: Array | None = None
+) -> None:
+    """``key_mask`` is boolean, ``(key_length,)`` or with exactly ``k.ndim - 1`` axes.
+
+    The rank rule exists because masks broadcast right-aligned against ``k``'s batch axes:
+    a ``(B, L)`` mask for ``(B, H, L, d)`` keys would be read as a mask over *heads*
+    (wrong answers when ``B == H``); such a mask must be given as ``(B, 1, L)``.
+    """
     if key_mask.dtype != xp.bool:
         raise TypeError(f"key_mask must be a boolean array; got dtype {key_mask.dtype}")
     if key_mask.ndim < 1 or key_mask.shape[-1] != key_length:
@@ -87,6 +95,34 @@ def check_key_mask(xp: Namespace, key_mask: Array, key_length: int) -> None:
             f"key_mask must have shape (..., {key_length}) to match the key length; "
             f"got shape {tuple(key_mask.shape)}"
         )
+    if key_mask.ndim not in (1, k.ndim - 1):
+        queries = "" if q is None else f" and q shape {tuple(q.shape)}"
+        hint = (
+            " (for a (batch, length) mask of (batch, heads, length, d) keys, pass "
+            "key_mask[:, None, :])"
+            if key_mask.ndim == 2 and k.ndim == 4
+            else ""
+        )
+        raise ValueError(
+            f"key_mask must have shape ({key_length},) or exactly {k.ndim - 1} axes "
+            f"(k.ndim - 1, its leading axes broadcasting with the batch axes); got "
+            f"key_mask shape {tuple(key_mask.shape)} for k shape {tuple(k.shape)}"
+            f"{queries}{hint}"
+        )
+
+
+def check_query_mask(xp: Namespace, query_mask: Array, q: Array) -> None:
+    """``query_mask`` is boolean, ``(L_q,)`` or ``q.ndim - 1`` axes broadcasting with ``q``'s."""
+    if query_mask.dtype != xp.bool:
+        raise TypeError(f"query_mask must be a boolean array; got dtype {query_mask.dtype}")
+    length = q.shape[-2]
+    if query_mask.ndim not in (1, q.ndim - 1) or query_mask.shape[-1] != length:
+        raise ValueError(
+            f"query_mask must have shape ({length},) or {q.ndim - 1} axes ending in "
+            f"{length} (q.ndim - 1); got query_mask shape {tuple(query_mask.shape)} for q "
+            f"shape {tuple(q.shape)}"
+        )
+    broadcast_shapes({"query_mask": tuple(query_mask.shape[:-1]), "q": tuple(q.shape[:-2])})
 
 
 def check_attention_inputs(
@@ -138,7 +174,7 @@ def check_attention_inputs(
         )
     leading = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2])}
     if key_mask is not None:
-        check_key_mask(xp, key_mask, k.shape[-2])
+        check_key_mask(xp, key_mask, k.shape[-2], k=k, q=q)
         leading["key_mask"] = tuple(key_mask.shape[:-1])
     batch_shape = broadcast_shapes(leading)
     dtype = xp.result_type(q.dtype, k.dtype, v.dtype)

@@ -1,8 +1,9 @@
 """JAX pytree registrations, made once JAX is in use (linattn never imports JAX itself).
 
-* :class:`~linattn.LinearAttentionState` is a pytree: ``kv``, ``log_shift`` and
-  ``num_tokens`` are leaves (``num_tokens`` becomes a 0-d integer array under tracing)
-  and the feature map's fingerprint is static data, so a state can be returned from,
+* :class:`~linattn.LinearAttentionState` is a pytree: ``kv``, ``log_shift``,
+  ``num_tokens`` and the window/sink caches are leaves (``num_tokens`` becomes a 0-d
+  integer array under tracing) and the feature map's fingerprint, ``window`` and
+  ``sink_keys`` are static data, so a state can be returned from,
   passed into and carried through jitted functions (a ``lax.scan`` decoding loop).
 * :class:`~linattn.FeatureMap` is a pytree without leaves whose static data is the map
   itself (hashed by identity): it can be passed to a jitted function as an argument, and
@@ -34,12 +35,16 @@ def register() -> None:
     from linattn.features import FeatureMap
     from linattn.state import LinearAttentionState
 
-    def flatten_state(state: LinearAttentionState) -> tuple[tuple[Any, ...], str]:
-        return (state.kv, state.log_shift, state.num_tokens), state.feature_map
+    def flatten_state(state: LinearAttentionState) -> tuple[tuple[Any, ...], Any]:
+        leaves = (state.kv, state.log_shift, state.num_tokens, state.recent, state.sinks)
+        return leaves, (state.feature_map, state.window, state.sink_keys)
 
-    def unflatten_state(fingerprint: str, leaves: tuple[Any, ...]) -> LinearAttentionState:
-        kv, log_shift, num_tokens = leaves
-        return LinearAttentionState(kv, log_shift, fingerprint, num_tokens)
+    def unflatten_state(static: Any, leaves: tuple[Any, ...]) -> LinearAttentionState:
+        fingerprint, window, sink_keys = static
+        kv, log_shift, num_tokens, recent, sinks = leaves
+        return LinearAttentionState(
+            kv, log_shift, fingerprint, num_tokens, window, sink_keys, recent, sinks
+        )
 
     tree_util.register_pytree_node(LinearAttentionState, flatten_state, unflatten_state)
     tree_util.register_pytree_node(

@@ -12,7 +12,7 @@ from typing import Any, Literal, overload
 import array_api_compat
 import numpy as np
 
-from linattn import _dispatch
+from linattn import _dispatch, hybrid
 from linattn import causal as causal_path
 from linattn._checks import (
     check_attention_inputs,
@@ -30,6 +30,9 @@ from linattn.state import LinearAttentionState, empty_state
 __all__ = ["favor_attention", "linear_attention", "softmax_attention"]
 
 DEFAULT_CHUNK_SIZE = 64
+
+#: The fingerprint of states made without a feature map (exact sliding-window attention).
+EXACT_FINGERPRINT = "exact"
 
 
 def softmax_attention(
@@ -102,7 +105,7 @@ def linear_attention(
     k: Array,
     v: Array,
     /,
-    feature_map: FeatureMap,
+    feature_map: FeatureMap | None,
     *,
     causal: bool = ...,
     key_mask: Array | None = ...,
@@ -110,6 +113,10 @@ def linear_attention(
     return_state: Literal[False] = ...,
     chunk_size: int = ...,
     backend: Backend | None = ...,
+    window: int | None = ...,
+    sink_keys: int = ...,
+    exact_key_mask: Array | None = ...,
+    scale: float | None = ...,
 ) -> Array: ...
 @overload
 def linear_attention(
@@ -117,7 +124,7 @@ def linear_attention(
     k: Array,
     v: Array,
     /,
-    feature_map: FeatureMap,
+    feature_map: FeatureMap | None,
     *,
     causal: bool = ...,
     key_mask: Array | None = ...,
@@ -125,13 +132,17 @@ def linear_attention(
     return_state: Literal[True],
     chunk_size: int = ...,
     backend: Backend | None = ...,
+    window: int | None = ...,
+    sink_keys: int = ...,
+    exact_key_mask: Array | None = ...,
+    scale: float | None = ...,
 ) -> tuple[Array, LinearAttentionState]: ...
 def linear_attention(
     q: Array,
     k: Array,
     v: Array,
     /,
-    feature_map: FeatureMap,
+    feature_map: FeatureMap | None,
     *,
     causal: bool = False,
     key_mask: Array | None = None,
@@ -139,6 +150,10 @@ def linear_attention(
     return_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: Backend | None = None,
+    window: int | None = None,
+    sink_keys: int = 0,
+    exact_key_mask: Array | None = None,
+    scale: float | None = None,
 ) -> Array | tuple[Array, LinearAttentionState]:
     """Linear attention ``phi(Q) (phi(K)^T [V | 1])``, normalised, in O(L) time and memory.
 
@@ -155,13 +170,19 @@ def linear_attention(
     v : array, shape ``(..., L_k, d_v)``
         Leading dimensions (batch, heads) broadcast.  float32 and float64; float16 and
         bfloat16 inputs are computed with float32 state and returned in their dtype.
-    feature_map : FeatureMap
-        The features; ``feature_map.head_dim`` must equal ``d``.
+    feature_map : FeatureMap or None
+        The features; ``feature_map.head_dim`` must equal ``d``.  ``None`` with a
+        ``window`` or ``sink_keys`` is exact sparse attention (sliding window plus sinks):
+        far keys are dropped instead of estimated.
     causal : bool, default False
         Query ``i`` attends to keys ``j <= i`` (needs ``L_q == L_k``).
-    key_mask : boolean array, shape ``(..., L_k)``, optional
+    key_mask : boolean array, shape ``(L_k,)`` or ``k.ndim - 1`` axes, optional
         True for keys that take part.  Masking acts on key *features*, so padded keys
         drop out of numerator and denominator alike.  A query that sees no key gets zeros.
+        Its leading axes broadcast with the batch axes of ``k``: a ``(B, L)`` padding
+        mask of ``(B, H, L, d)`` keys is given as ``key_mask[:, None, :]`` (any other
+        rank raises).  In self-attention (``L_q == L_k``) it also marks the queries
+        that enter an uncalibrated map's statistics.
     state : LinearAttentionState, optional
         Continue a causal sequence from a state returned by an earlier call.
     return_state : bool, default False
@@ -172,6 +193,20 @@ def linear_attention(
     backend : {"auto", "numba", "array_api"}, optional
         Who runs causal attention; default ``$LINATTN_BACKEND`` or ``"auto"`` (the
         compiled kernel where it can serve the arrays).
+    window : int, optional
+        Exact attention, weight ``exp(s q.k)``, to the keys within ``window`` positions
+        (causal ``t - w < j <= t``; bidirectional ``|t - j| < w``); the feature map
+        estimates only the keys beyond (:mod:`linattn.hybrid`).  Needs ``L_q == L_k``
+        or a causal state.
+    sink_keys : int, default 0
+        The first ``sink_keys`` positions are attended exactly by every query (causal:
+        those ``<= t``); a masked sink is dropped, not replaced.
+    exact_key_mask : boolean array, optional
+        Bidirectional only: further keys every query attends exactly (a BERT model's
+        ``[CLS]`` and ``[SEP]``), shaped like ``key_mask``.
+    scale : float, optional
+        Logit scale of the exact parts when ``feature_map`` is None (default
+        ``1 / sqrt(d)``); with a feature map it is the map's and may only repeat it.
 
     Returns
     -------
@@ -190,11 +225,38 @@ def linear_attention(
     >>> print(f"mean squared error {np.mean((out - exact) ** 2):.0e}")
     mean squared error 6e-06
     """
-    if not isinstance(feature_map, FeatureMap):
+    hybrid_asked = window is not None or sink_keys != 0 or exact_key_mask is not None
+    if feature_map is None and not hybrid_asked:
+        raise TypeError(
+            "feature_map must be a linattn.FeatureMap (None only with window or sink_keys: "
+            "exact sparse attention); got None"
+        )
+    if feature_map is not None and not isinstance(feature_map, FeatureMap):
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
         )
     plan = _dispatch.causal_plan(q, feature_map, backend=backend)
+    if hybrid_asked or (state is not None and getattr(state, "window", None) is not None):
+        return _exact_parts_attention(
+            q,
+            k,
+            v,
+            feature_map,
+            causal=causal,
+            key_mask=key_mask,
+            state=state,
+            return_state=return_state,
+            chunk_size=chunk_size,
+            plan=plan,
+            window=window,
+            sink_keys=sink_keys,
+            exact_key_mask=exact_key_mask,
+            scale=scale,
+        )
+    if scale is not None and scale != feature_map.scale:
+        raise ValueError(
+            f"scale is the feature map's ({feature_map.scale}) when one is given; got {scale}"
+        )
     if plan.path == "dask-scan":
         # The sequence-parallel graph: it grows with q's sequence chunks, not L / chunk_size;
         # it runs the checks below itself, after wrapping a NumPy state in Dask.
@@ -224,6 +286,9 @@ def linear_attention(
     k, v = drop_masked_keys(xp, k, v, key_mask)
     batch = info.batch_shape
     if state is not None:
+        hybrid.check_exact_parts(
+            None, 0, None, xp=xp, causal=causal, state=state, query_length=1, key_length=1, k=k
+        )
         batch = _check_state(state, feature_map, info, work)
     m = feature_map.num_features
 
@@ -255,6 +320,94 @@ def linear_attention(
     previous = 0 if state is None else state.num_tokens
     return out, LinearAttentionState(
         kv=kv, log_shift=log_shift, feature_map=feature_map.fingerprint, num_tokens=previous + lk
+    )
+
+
+def _exact_parts_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap | None,
+    *,
+    causal: bool,
+    key_mask: Array | None,
+    state: LinearAttentionState | None,
+    return_state: bool,
+    chunk_size: int,
+    plan: _dispatch.Plan,
+    window: int | None,
+    sink_keys: int,
+    exact_key_mask: Array | None,
+    scale: float | None,
+) -> Array | tuple[Array, LinearAttentionState]:
+    """:func:`linear_attention` with exact parts (:mod:`linattn.hybrid`)."""
+    extra = {} if state is None else _state_arrays(state)
+    if exact_key_mask is not None:
+        extra["exact_key_mask"] = exact_key_mask
+    head_dim = None if feature_map is None else feature_map.head_dim
+    info = check_attention_inputs(
+        q, k, v, key_mask=key_mask, causal=causal, head_dim=head_dim, extra=extra
+    )
+    chunk_size = check_chunk_size(chunk_size)
+    check_state_options(causal, state, return_state)
+    xp = info.xp
+    parts = hybrid.check_exact_parts(
+        window,
+        sink_keys,
+        exact_key_mask,
+        xp=xp,
+        causal=causal,
+        state=state,
+        query_length=info.query_length,
+        key_length=info.key_length,
+        k=k,
+    )
+    assert parts is not None
+    if feature_map is None:
+        scale = check_scale(scale, info.query_head_dim)
+    elif scale is not None and scale != feature_map.scale:
+        raise ValueError(
+            f"scale is the feature map's ({feature_map.scale}) when one is given; got {scale}"
+        )
+    else:
+        scale = feature_map.scale
+    work = compute_dtype(xp, info.dtype)
+    q, k, v = (xp.astype(x, work, copy=False) for x in (q, k, v))
+    k, v = drop_masked_keys(xp, k, v, key_mask)
+    batch = info.batch_shape
+    if state is not None:
+        batch = _check_state(state, feature_map, info, work)
+    statistics = None
+    if feature_map is not None:
+        statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
+    lq, lk = info.query_length, info.key_length
+    q = xp.broadcast_to(q, (*batch, lq, info.query_head_dim))
+    k = xp.broadcast_to(k, (*batch, lk, info.query_head_dim))
+    v = xp.broadcast_to(v, (*batch, lk, info.value_dim))
+    if key_mask is None:
+        keep = xp.ones((*batch, lk), dtype=xp.bool, device=info.device)
+    else:
+        keep = xp.broadcast_to(key_mask, (*batch, lk))
+    if plan.compiled or plan.path == "dask-scan":
+        # The far keys' partial needs each query's log-scale: the portable pass gives it.
+        plan = _dispatch.causal_plan(q, feature_map, backend="array_api")
+    options = {"scale": scale, "statistics": statistics, "chunk_size": chunk_size, "plan": plan}
+    if not causal:
+        rows = hybrid.bidirectional_attention(xp, q, k, v, keep, parts, feature_map, **options)
+        return xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
+    rows, fields = hybrid.causal_attention(xp, q, k, v, keep, parts, feature_map, state, **options)
+    out = xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
+    if not return_state:
+        return out
+    if fields["kv"] is None:  # no feature map: an empty random-feature state
+        fields["kv"], fields["log_shift"] = empty_state(xp, batch, 0, info.value_dim, q)
+    previous = 0 if state is None else state.num_tokens
+    return out, LinearAttentionState(
+        feature_map=EXACT_FINGERPRINT if feature_map is None else feature_map.fingerprint,
+        num_tokens=previous + lk,
+        window=parts.window,
+        sink_keys=parts.sink_keys,
+        **fields,
     )
 
 
@@ -310,12 +463,15 @@ def call_statistics(
     Computed on the caller's device and held constant (``stop_gradient``), so they work
     under ``jax.jit`` and give the gradients of fixed statistics; never stored in the map.
     Causal attention refuses: statistics over the sequence would let later tokens change
-    earlier outputs.
+    earlier outputs.  In self-attention (``L_q == L_k``) ``key_mask`` also leaves padded
+    query rows out.
     """
     check_statistics_for_causal(feature_map.kind, feature_map.needs_calibration, causal)
     if not feature_map.needs_calibration:
         return None
     root = math.sqrt(feature_map.scale)
+    # Self-attention: the key mask marks padded positions, so padded query rows too.
+    query_mask = key_mask if q.shape[-2] == k.shape[-2] else None
     return per_call_statistics(
         xp,
         q * root,
@@ -323,6 +479,7 @@ def call_statistics(
         key_mask,
         rebalance=feature_map.rebalance_scales is None and feature_map.rebalance,
         oprf=feature_map.oprf_a is None and feature_map._spec.oprf,
+        query_mask=query_mask,
     )
 
 
@@ -467,18 +624,20 @@ def _state_arrays(state: object) -> dict[str, Array]:
 
 
 def _check_state(
-    state: LinearAttentionState, feature_map: FeatureMap, info: Any, work: Any
+    state: LinearAttentionState, feature_map: FeatureMap | None, info: Any, work: Any
 ) -> tuple[int, ...]:
     """Check a state against the feature map and inputs; return the new batch shape."""
     from linattn._checks import broadcast_shapes
 
-    if state.feature_map != feature_map.fingerprint:
+    fingerprint = EXACT_FINGERPRINT if feature_map is None else feature_map.fingerprint
+    if state.feature_map != fingerprint:
         raise ValueError(
             "state was made by another feature map: expected one with fingerprint "
-            f"{feature_map.fingerprint} (this call's feature_map), got {state.feature_map}"
+            f"{fingerprint} (this call's feature_map), got {state.feature_map}"
         )
     _check_num_tokens(state.num_tokens)
-    m, width = feature_map.num_features, info.value_dim + 1
+    m = 0 if feature_map is None else feature_map.num_features
+    width = info.value_dim + 1
     if state.kv.ndim < 2 or tuple(state.kv.shape[-2:]) != (m, width):
         raise ValueError(
             f"state.kv must have shape (..., {m}, {width}) for {m} features and value "

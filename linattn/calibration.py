@@ -63,34 +63,46 @@ class Statistics:
     rebalance_scales: Any = None
 
 
-def moments(xp: Namespace, x: Array, y: Array, key_mask: Array | None = None) -> Array:
-    """``[E x, E y, E x^2, E y^2]`` per coordinate, shape ``(4, d)``, masked keys excluded."""
-    d = x.shape[-1]
-    xs = xp.reshape(x, (-1, d))
-    query = [xp.mean(xs, axis=0), xp.mean(xs * xs, axis=0)]
-    if key_mask is None:
-        ys = xp.reshape(y, (-1, d))
-        key = [xp.mean(ys, axis=0), xp.mean(ys * ys, axis=0)]
-    else:
-        full = xp.broadcast_to(key_mask[..., None], (*key_mask.shape, d))
-        shape = np.broadcast_shapes(tuple(y.shape), tuple(full.shape))
-        keep = xp.reshape(xp.broadcast_to(full, shape), (-1, d))
-        # Select, never multiply: a masked key may hold NaN or inf (0 * inf is NaN).
-        ys = xp.where(keep, xp.reshape(xp.broadcast_to(y, shape), (-1, d)), constant(xp, 0.0, y))
-        weights = xp.astype(keep, y.dtype)
-        count = xp.maximum(xp.sum(weights, axis=0), constant(xp, 1.0, y))
-        key = [xp.sum(ys * weights, axis=0) / count, xp.sum(ys * ys * weights, axis=0) / count]
+def moments(
+    xp: Namespace,
+    x: Array,
+    y: Array,
+    key_mask: Array | None = None,
+    query_mask: Array | None = None,
+) -> Array:
+    """``[E x, E y, E x^2, E y^2]`` per coordinate, shape ``(4, d)``; masked rows excluded."""
+    query = _masked_moments(xp, x, query_mask)
+    key = _masked_moments(xp, y, key_mask)
     return xp.stack([query[0], key[0], query[1], key[1]])
 
 
+def _masked_moments(xp: Namespace, x: Array, mask: Array | None) -> tuple[Array, Array]:
+    """Mean and mean square per coordinate of the rows of ``x`` that ``mask`` keeps."""
+    d = x.shape[-1]
+    if mask is None:
+        rows = xp.reshape(x, (-1, d))
+        return xp.mean(rows, axis=0), xp.mean(rows * rows, axis=0)
+    full = xp.broadcast_to(mask[..., None], (*mask.shape, d))
+    shape = np.broadcast_shapes(tuple(x.shape), tuple(full.shape))
+    keep = xp.reshape(xp.broadcast_to(full, shape), (-1, d))
+    # Select, never multiply: a masked row may hold NaN or inf (0 * inf is NaN).
+    rows = xp.where(keep, xp.reshape(xp.broadcast_to(x, shape), (-1, d)), constant(xp, 0.0, x))
+    count = xp.maximum(xp.sum(xp.astype(keep, x.dtype), axis=0), constant(xp, 1.0, x))
+    return xp.sum(rows, axis=0) / count, xp.sum(rows * rows, axis=0) / count
+
+
 def query_key_statistics(
-    xp: Namespace, x: Array, y: Array, key_mask: Array | None = None
+    xp: Namespace,
+    x: Array,
+    y: Array,
+    key_mask: Array | None = None,
+    query_mask: Array | None = None,
 ) -> QueryKeyStatistics:
     """Moments of ``x`` (``(..., L_q, d)``) and ``y`` (``(..., L_k, d)``) on the host.
 
     One transfer (one compute for Dask inputs).
     """
-    host = np.asarray(to_host(moments(xp, x, y, key_mask)), dtype=np.float64)
+    host = np.asarray(to_host(moments(xp, x, y, key_mask, query_mask)), dtype=np.float64)
     return QueryKeyStatistics(*host)
 
 
@@ -118,12 +130,18 @@ def statistics_from_moments(
 
 
 def per_call_statistics(
-    xp: Namespace, x: Array, y: Array, key_mask: Array | None, *, rebalance: bool, oprf: bool
+    xp: Namespace,
+    x: Array,
+    y: Array,
+    key_mask: Array | None,
+    *,
+    rebalance: bool,
+    oprf: bool,
+    query_mask: Array | None = None,
 ) -> Statistics:
     """The statistics a call computes for itself, on the device, held constant."""
-    psi, a = statistics_from_moments(
-        xp, stop_gradient(xp, moments(xp, x, y, key_mask)), rebalance=rebalance, oprf=oprf
-    )
+    stacked = stop_gradient(xp, moments(xp, x, y, key_mask, query_mask))
+    psi, a = statistics_from_moments(xp, stacked, rebalance=rebalance, oprf=oprf)
     return Statistics(oprf_a=a, rebalance_scales=psi)
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "normalise",
     "pair_products",
     "query_factors",
+    "query_factors_and_shift",
     "readout",
 ]
 
@@ -56,9 +57,17 @@ def query_factors(
     xp: Namespace, log_shift: Array, log_phi_q: Array, sign_q: Array | None
 ) -> Array:
     """``u_t = exp(l(q_t) + mu - F_t)`` (times signs), ``F_t = max_r (l(q_t)_r + mu_r)``."""
+    return query_factors_and_shift(xp, log_shift, log_phi_q, sign_q)[0]
+
+
+def query_factors_and_shift(
+    xp: Namespace, log_shift: Array, log_phi_q: Array, sign_q: Array | None
+) -> tuple[Array, Array]:
+    """``u_t`` and the shift ``F_t`` it took out (0 if infinite): ``(..., L, m)``, ``(..., L)``."""
     shifted = log_phi_q + safe_shift(xp, log_shift)[..., None, :]
-    u = xp.exp(shifted - safe_shift(xp, xp.max(shifted, axis=-1, keepdims=True)))
-    return u if sign_q is None else sign_q * u
+    top = safe_shift(xp, xp.max(shifted, axis=-1, keepdims=True))
+    u = xp.exp(shifted - top)
+    return (u if sign_q is None else sign_q * u), top[..., 0]
 
 
 def bidirectional(
@@ -70,10 +79,18 @@ def bidirectional(
     values_aug: Array,
     kv: Array,
     log_shift: Array,
-) -> Array:
-    """``phi(Q) (phi(K)^T [V|1])``, stabilised per feature over all keys."""
+    *,
+    return_log_scale: bool = False,
+) -> Array | tuple[Array, Array]:
+    """``phi(Q) (phi(K)^T [V|1])``, stabilised per feature over all keys.
+
+    With ``return_log_scale`` also the per-query log-scale ``c`` (``(..., L)``): the
+    unstabilised ``[numerator | denominator]`` is ``exp(c)`` times the outputs.
+    """
     kv, log_shift = absorb_keys(xp, kv, log_shift, log_phi_k, sign_k, values_aug)
-    return readout(xp, kv, log_shift, log_phi_q, sign_q)
+    u, top = query_factors_and_shift(xp, log_shift, log_phi_q, sign_q)
+    outputs = xp.matmul(u, kv)
+    return (outputs, top) if return_log_scale else outputs
 
 
 def causal(
@@ -88,7 +105,8 @@ def causal(
     chunk_size: int,
     *,
     tokens_per_pass: int | None = None,
-) -> tuple[Array, Array, Array]:
+    return_log_scale: bool = False,
+) -> tuple[Array, ...]:
     """Chunked causal linear attention continuing from state ``(kv, log_shift)``.
 
     One batched pass, no loop over the sequence: every chunk's own state at once, a
@@ -100,8 +118,12 @@ def causal(
 
     Returns
     -------
-    (outputs_aug, kv, log_shift)
-        Unnormalised outputs ``(..., L, d_v + 1)`` and the state after the last token.
+    (outputs_aug, kv, log_shift) or (outputs_aug, kv, log_shift, log_scale)
+        Unnormalised outputs ``(..., L, d_v + 1)`` and the state after the last token;
+        with ``return_log_scale`` also the per-query log-scale ``c`` (``(..., L)``): the
+        unstabilised ``[numerator | denominator]`` of query ``t`` is ``exp(c_t)`` times
+        its outputs (what the window/sink hybrid needs to merge parts,
+        :mod:`linattn.hybrid`).
     """
     # Passes over groups hold one group's chunk states at a time: blocks of chunk_size.
     blocks = ChunkBlocks.of(
@@ -121,13 +143,18 @@ def causal(
     count = blocks.operands[0].shape[-3]
     size = blocks.lower.shape[0]
     step = count if tokens_per_pass is None else max(1, tokens_per_pass // size)
-    pieces = []
+    pieces, scales = [], []
     for first in range(0, count, step):
         group = blocks if step >= count else blocks.select(first, first + step)
         prefix, (kv, log_shift) = group.prefix_states(xp, kv, log_shift)
-        pieces.append(_chunk_outputs(xp, *prefix, *group.operands, group.lower))
-    outputs = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
-    return blocks.tokens(xp, outputs), kv, log_shift
+        outputs, log_scale = _chunk_outputs(xp, *prefix, *group.operands, group.lower)
+        pieces.append(outputs)
+        scales.append(log_scale[..., None])
+    outputs = blocks.tokens(xp, pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3))
+    if not return_log_scale:
+        return outputs, kv, log_shift
+    scale = scales[0] if len(scales) == 1 else xp.concat(scales, axis=-3)
+    return outputs, kv, log_shift, blocks.tokens(xp, scale)[..., 0]
 
 
 class ChunkBlocks(NamedTuple):
@@ -248,6 +275,7 @@ class ChunkShifts(NamedTuple):
     weights: Array  # exp(G_j - Gmax_t) for j <= t, 0 above the diagonal, (..., C, C)
     state_weight: Array  # exp(-Gmax_t) (or 0 for an empty state), (..., C, 1)
     lower: Array  # j <= t, (C, C)
+    log_scale: Array  # F_t + Gmax_t: what the factors took out of each output, (..., C)
 
 
 def chunk_shifts(
@@ -262,7 +290,7 @@ def chunk_shifts(
     """Query and key factors of a chunk and its pair weights, stabilised by tokens ``<= t``."""
     neg_inf = constant(xp, -float("inf"), log_shift)
     mu = safe_shift(xp, log_shift)[..., None, :]
-    u = query_factors(xp, log_shift, log_phi_q, sign_q)
+    u, query_shift = query_factors_and_shift(xp, log_shift, log_phi_q, sign_q)
     # Keys, shifted per key by their own largest excess over the state's maximum.
     shifted_k = log_phi_k - mu
     key_excess = xp.max(shifted_k, axis=-1)  # G_j, (..., C)
@@ -281,7 +309,7 @@ def chunk_shifts(
     )  # Gmax_t, (..., C)
     weights = xp.exp(visible_excess - running[..., None])
     state_weight = xp.exp(state_floor - running)[..., None]
-    return ChunkShifts(u, psi, weights, state_weight, lower)
+    return ChunkShifts(u, psi, weights, state_weight, lower, query_shift + running)
 
 
 def pair_products(xp: Namespace, shifts: ChunkShifts, a: Array, b: Array) -> Array:
@@ -304,11 +332,12 @@ def _chunk_outputs(
     sign_k: Array | None,
     values_aug: Array,
     lower: Array,
-) -> Array:
-    """Unnormalised outputs of one chunk: state term plus masked intra-chunk term."""
+) -> tuple[Array, Array]:
+    """Unnormalised outputs of one chunk (state term plus masked intra-chunk term), log-scale."""
     shifts = chunk_shifts(xp, log_shift, log_phi_q, sign_q, log_phi_k, sign_k, lower)
     intra = pair_products(xp, shifts, shifts.u, shifts.psi)
-    return shifts.state_weight * xp.matmul(shifts.u, kv) + xp.matmul(intra, values_aug)
+    outputs = shifts.state_weight * xp.matmul(shifts.u, kv) + xp.matmul(intra, values_aug)
+    return outputs, shifts.log_scale
 
 
 def normalise(xp: Namespace, outputs_aug: Array) -> Array:

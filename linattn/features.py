@@ -18,7 +18,12 @@ from typing import Any, Literal
 import array_api_compat
 import numpy as np
 
-from linattn._checks import check_key_mask, check_scale, key_mask_batch_shape
+from linattn._checks import (
+    check_key_mask,
+    check_query_mask,
+    check_scale,
+    key_mask_batch_shape,
+)
 from linattn._kinds import KIND_SPECS, FeatureKind, KindInputs, kind_spec
 from linattn._xp import (
     Array,
@@ -378,7 +383,15 @@ class FeatureMap:
         """The read-only diagonal ``Psi`` (queries times it, keys divided by it), if set."""
         return self._rebalance_scales
 
-    def calibrate(self, q: Array, k: Array, /, *, key_mask: Array | None = None) -> FeatureMap:
+    def calibrate(
+        self,
+        q: Array,
+        k: Array,
+        /,
+        *,
+        key_mask: Array | None = None,
+        query_mask: Array | None = None,
+    ) -> FeatureMap:
         """A copy with OPRF ``A`` and rebalancing ``Psi`` fixed from queries and keys.
 
         Parameters
@@ -387,7 +400,11 @@ class FeatureMap:
         k : array, shape ``(..., L_k, head_dim)``
             Representative queries and keys (e.g. a calibration batch).
         key_mask : boolean array, shape ``(..., L_k)``, optional
-            Keys left out of the statistics.
+            True for the keys that enter the statistics (the rank rule of
+            :func:`linattn.linear_attention`).
+        query_mask : boolean array, shape ``(..., L_q)``, optional
+            True for the queries that enter the statistics: padded query rows would
+            shift OPRF's ``A`` and the rebalancing.
 
         Returns
         -------
@@ -406,7 +423,10 @@ class FeatureMap:
         """
         from linattn.calibration import query_key_statistics, statistics_from_moments
 
-        xp = namespace_of({"q": q, "k": k, "key_mask": key_mask}, optional=("key_mask",))
+        xp = namespace_of(
+            {"q": q, "k": k, "key_mask": key_mask, "query_mask": query_mask},
+            optional=("key_mask", "query_mask"),
+        )
         for name, x in (("q", q), ("k", k)):
             float_dtype(xp, name, x)
             if x.ndim < 2 or x.shape[-1] != self.head_dim or x.shape[-2] == 0:
@@ -416,11 +436,17 @@ class FeatureMap:
                 )
             _refuse_traced(name, x)
         if key_mask is not None:
-            check_key_mask(xp, key_mask, k.shape[-2])
+            check_key_mask(xp, key_mask, k.shape[-2], k=k, q=q)
             key_mask_batch_shape(key_mask, k)
+        if query_mask is not None:
+            check_query_mask(xp, query_mask, q)
         root = math.sqrt(self.scale)
         stats = query_key_statistics(
-            xp, xp.astype(q, xp.float64) * root, xp.astype(k, xp.float64) * root, key_mask
+            xp,
+            xp.astype(q, xp.float64) * root,
+            xp.astype(k, xp.float64) * root,
+            key_mask,
+            query_mask,
         )
         moments = np.stack(stats._arrays())
         if not np.all(np.isfinite(moments)):

@@ -38,6 +38,19 @@ class LinearAttentionState:
         map is an error.
     num_tokens : int
         Number of key positions absorbed so far (masked ones included).
+    window : int or None
+        The ``window`` the sequence runs with (:mod:`linattn.hybrid`); continuing with
+        another is an error.
+    sink_keys : int
+        The ``sink_keys`` the sequence runs with.
+    recent : (keys, values, keep) or None
+        With a window ``w``: the last ``w`` keys ``(..., w, d)``, values
+        ``(..., w, d_v)`` and which of them take part ``(..., w)`` (positions before the
+        sequence are left out).  ``kv`` holds the random-feature state of the keys
+        before them.
+    sinks : (keys, values, keep) or None
+        With ``sink_keys = s``: the keys and values of positions ``0 .. s - 1`` and
+        which of them take part (not yet seen, or masked: left out).
 
     Examples
     --------
@@ -48,12 +61,19 @@ class LinearAttentionState:
     >>> out, state = la.linear_attention(x, x, x, fm, causal=True, return_state=True)
     >>> state.kv.shape, state.log_shift.shape, state.num_tokens
     ((16, 9), (16,), 6)
+
+    ``combine`` (the associative combine of sequence-parallel scans) is defined on
+    ``(kv, log_shift)`` only: the window and sink parts are exact, per position.
     """
 
     kv: Array
     log_shift: Array
     feature_map: str
     num_tokens: int = 0
+    window: int | None = None
+    sink_keys: int = 0
+    recent: tuple[Array, Array, Array] | None = None
+    sinks: tuple[Array, Array, Array] | None = None
 
     @property
     def value_dim(self) -> int:
