@@ -41,7 +41,9 @@ def test_random_bert_with_linattn_softmax_is_its_exact_self() -> None:
     exact = encoder.encode(ids, mask)
     other = encoder.encode(ids, mask, _linattn_exact)
     np.testing.assert_allclose(np.sum(exact * other, axis=-1), 1.0, atol=1e-6)
-    assert not np.allclose(exact, encoder.encode(ids, mask, make_attention(Config("reference", kind="uniform"), 8)))
+    assert not np.allclose(
+        exact, encoder.encode(ids, mask, make_attention(Config("reference", kind="uniform"), 8))
+    )
 
 
 @needs_minilm

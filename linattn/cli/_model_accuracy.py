@@ -40,7 +40,9 @@ def layer_table(payload: dict[str, Any]) -> Table:
             table.add_row(row["config"], *(["n/a"] * layers), "not available")
             continue
         errors = row["layer_errors"]
-        table.add_row(row["config"], *(_cell(e, 2) for e in errors), _cell(sum(errors) / layers, 2))
+        table.add_row(
+            row["config"], *(_cell(e, 2) for e in errors), _cell(sum(errors) / layers, 2)
+        )
     return table
 
 

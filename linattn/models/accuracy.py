@@ -201,7 +201,7 @@ def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
             extra["window"] = config.window
         if config.sinks:
             extra.update(sink_keys=1, exact_key_mask=cls_sep_mask(key_mask))
-        return la.linear_attention(q, k, v, fm, key_mask=mask, **extra)  # type: ignore[arg-type]
+        return la.linear_attention(q, k, v, fm, key_mask=mask, **extra)
 
     return attention
 
@@ -349,8 +349,8 @@ def measure(
                 start = time.perf_counter()
                 estimate = np.asarray(attention(q, k, v, mask, layer), dtype=np.float64)
                 result.attention_seconds += time.perf_counter() - start
-                error = np.where(rows_real, estimate - out, 0.0)
-                squared[index][layer] += np.sum(error**2, axis=(0, 2, 3))
+                difference = np.where(rows_real, estimate - out, 0.0)
+                squared[index][layer] += np.sum(difference**2, axis=(0, 2, 3))
             start = time.perf_counter()
             embeddings = encoder.encode(ids, mask, attention)
             result.encode_seconds += time.perf_counter() - start
@@ -360,4 +360,6 @@ def measure(
         result = results[index]
         result.head_errors = np.sqrt(squared[index] / reference)
         result.layer_errors = np.sqrt(squared[index].sum(axis=1) / reference.sum(axis=1))
-    return Measurement(results, tokens.lengths, tokens.truncated, exact_seconds, exact_attention_seconds)
+    return Measurement(
+        results, tokens.lengths, tokens.truncated, exact_seconds, exact_attention_seconds
+    )

