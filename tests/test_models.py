@@ -11,7 +11,7 @@ import pytest
 
 import linattn as la
 from linattn import cli
-from linattn.models import bert, minilm
+from linattn.models import accuracy, bert, minilm
 from linattn.models.accuracy import Config, cls_sep_mask, load_texts, make_attention, measure
 
 HAS_READERS = all(importlib.util.find_spec(m) for m in ("safetensors", "tokenizers"))
@@ -122,13 +122,19 @@ def test_cls_sep_mask_marks_first_and_last_real_token() -> None:
 
 @needs_minilm
 def test_measure_exact_window_is_exact_and_cli_prints_tables(
-    model: minilm.SentenceModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    model: minilm.SentenceModel,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A window wider than every text holds every key: exact attention, error 0, cosine 1.
     texts = load_texts(3)
     result = measure(model, texts, [Config("window", window=minilm.MAX_LENGTH)]).results[0]
     np.testing.assert_allclose(result.layer_errors, 0.0, atol=1e-5)
     np.testing.assert_allclose(result.cosines, 1.0, atol=1e-5)
+    # Two cheap configurations keep the CLI run short; the grid itself is the benchmark's.
+    small = [Config("reference", kind="uniform"), Config("window+sinks", window=16, sinks=True)]
+    monkeypatch.setattr(accuracy, "default_configs", lambda: small)
     folder = tmp_path / "model"
     shutil.copytree(model.path, folder)
     plot = tmp_path / "model.png"
