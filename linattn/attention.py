@@ -741,7 +741,8 @@ def _grouped(
         all(array_api_compat.is_array_api_obj(x) and x.ndim >= 3 for x in arrays)
         and q.ndim == k.ndim == v.ndim
         and q.shape[-3] != k.shape[-3]
-        and k.shape[-3] != 1  # one key head (or grouped already) broadcasts as it is
+        and 1 not in (q.shape[-3], k.shape[-3])  # one head (or grouped already) broadcasts
+        and q.shape[-3] % k.shape[-3] == 0  # else the batch check names the shapes
         and (key_mask is None or getattr(key_mask, "ndim", None) in (1, k.ndim - 1))
     ):
         return grouped(q, k, v, key_mask)

@@ -334,7 +334,8 @@ def bidirectional_forward(
         scale=scale,
         key_mask=_numpy(key_mask),
     )
-    return tuple(torch.from_numpy(r) for r in results)  # type: ignore[return-value]
+    tensors: Any = tuple(torch.from_numpy(r) for r in results)  # a fixed-length tuple
+    return tensors
 
 
 @torch.library.custom_op(
@@ -362,7 +363,8 @@ def bidirectional_backward(
         scale=scale,
         key_mask=_numpy(key_mask),
     )
-    return tuple(torch.from_numpy(g) for g in grads)  # type: ignore[return-value]
+    tensors: Any = tuple(torch.from_numpy(g) for g in grads)  # a fixed-length tuple
+    return tensors
 
 
 def _bidirectional_batch(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Any:

@@ -127,3 +127,23 @@ def test_a_mask_with_another_head_count_is_refused() -> None:
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match="key_mask's head axis"):
         grouped(q, k, v, np.ones((B, 4, L), dtype=bool))
+
+
+def test_the_front_door_takes_fewer_key_value_heads() -> None:
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(2, 8, 20, 8))
+    k, v = (rng.normal(size=(2, 2, 20, 8)) for _ in range(2))
+    mask = rng.random((2, 1, 20)) > 0.2
+    fm = la.FeatureMap(8, 16, seed=0)
+    repeat = lambda x: np.repeat(x, 4, axis=1)  # noqa: E731
+    for options in ({"causal": True}, {}, {"causal": True, "window": 4, "sink_keys": 2}):
+        grouped_out = la.linear_attention(q, k, v, fm, key_mask=mask, **options)
+        repeated = la.linear_attention(q, repeat(k), repeat(v), fm, key_mask=mask, **options)
+        np.testing.assert_allclose(grouped_out, repeated, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(
+        la.softmax_attention(q, k, v, key_mask=mask),
+        la.softmax_attention(q, repeat(k), repeat(v), key_mask=mask),
+        rtol=1e-12,
+    )
+    with pytest.raises(ValueError, match="must broadcast together"):
+        la.linear_attention(q, k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1), fm)
