@@ -30,6 +30,8 @@ nox.options.sessions = [
 ]
 
 PYTHON = "3.11"
+#: Modules that import a framework (or the models extra): doctested in their sessions.
+FRAMEWORK_MODULES = ("torch.py", "flax.py", "integrations", "models")
 TORCH = "torch==2.13.0"
 TEST = ("pytest>=8", "hypothesis>=6.100", "array-api-strict>=2.2")
 
@@ -100,6 +102,7 @@ def _layers(session: nox.Session, tests: str, *install: str) -> None:
 def layers_torch(session: nox.Session) -> None:
     """linattn.torch (FastAttention, MultiheadAttention) and grouped-query attention."""
     _layers(session, "tests/test_layers_torch.py", TORCH)
+    session.run("pytest", "--doctest-modules", "linattn/torch.py", "linattn/_gqa.py")
     session.run(
         "pytest", "tests/test_gqa.py", *session.posargs,
         env={"LINATTN_TEST_BACKENDS": "numpy,torch"},
@@ -110,12 +113,14 @@ def layers_torch(session: nox.Session) -> None:
 def flax(session: nox.Session) -> None:
     """linattn.flax (the nnx module) under nnx.jit and nnx.grad."""
     _layers(session, "tests/test_layers_flax.py", "flax>=0.12")
+    session.run("pytest", "--doctest-modules", "linattn/flax.py")
 
 
 @nox.session(python=PYTHON)
 def transformers(session: nox.Session) -> None:
     """attn_implementation="linattn" on small random BERT and GPT-2 models."""
     _layers(session, "tests/test_transformers_integration.py", TORCH, "transformers>=5")
+    session.run("pytest", "--doctest-modules", "linattn/integrations")
 
 
 @nox.session(python=PYTHON)
@@ -127,6 +132,7 @@ def models(session: nox.Session) -> None:
         "pytest", "tests/test_models.py", *session.posargs,
         env={"LINATTN_TEST_BACKENDS": "numpy"},
     )  # fmt: skip
+    session.run("pytest", "--doctest-modules", "linattn/models")
 
 
 @nox.session(python=PYTHON)
@@ -182,9 +188,12 @@ def docs(session: nox.Session) -> None:
     session.run(
         "sphinx-build", "-W", "--keep-going", "-b", "doctest", "docs", "docs/_build/doctest"
     )
+    # The framework layers' and the models' doctests run in their own sessions.
+    frameworks = [f"--ignore=linattn/{name}" for name in FRAMEWORK_MODULES]
     session.run(
-        "pytest", "--doctest-modules", "linattn", "-p", "no:cacheprovider", *session.posargs
-    )
+        "pytest", "--doctest-modules", "linattn", *frameworks, "-p", "no:cacheprovider",
+        *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON, default=False)

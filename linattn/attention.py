@@ -200,7 +200,7 @@ def linear_attention(
     window : int, optional
         Exact attention, weight ``exp(s q.k)``, to the keys within ``window`` positions
         (causal ``t - w < j <= t``; bidirectional ``|t - j| < w``); the feature map
-        estimates only the keys beyond (:mod:`linattn.hybrid`).  Needs ``L_q == L_k``
+        estimates only the keys beyond (``linattn.hybrid``).  Needs ``L_q == L_k``
         or a causal state.
     sink_keys : int, default 0
         The first ``sink_keys`` positions are attended exactly by every query (causal:
@@ -381,7 +381,7 @@ def _exact_parts_attention(
     return_state: bool,
     **options: Any,
 ) -> Array | tuple[Array, LinearAttentionState]:
-    """:func:`linear_attention` with exact parts (:mod:`linattn.hybrid`)."""
+    """:func:`linear_attention` with exact parts (``linattn.hybrid``)."""
     call = exact_parts_call(q, k, v, feature_map, return_state=return_state, **options)
     xp, info = call.info.xp, call.info
     rows, far_state = hybrid.hybrid_rows(xp, call.parts)

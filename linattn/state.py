@@ -39,7 +39,7 @@ class LinearAttentionState:
     num_tokens : int
         Number of key positions absorbed so far (masked ones included).
     window : int or None
-        The ``window`` the sequence runs with (:mod:`linattn.hybrid`); continuing with
+        The ``window`` the sequence runs with (``linattn.hybrid``); continuing with
         another is an error.
     sink_keys : int
         The ``sink_keys`` the sequence runs with.
