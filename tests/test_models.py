@@ -10,9 +10,21 @@ import numpy as np
 import pytest
 
 import linattn as la
+
+# The models extra (scipy for the exact GELU) and the CLI's table: the nox session
+# "models" installs both; elsewhere the file is skipped.
+pytest.importorskip("scipy")
+pytest.importorskip("rich")
+
 from linattn import cli
 from linattn.models import accuracy, bert, minilm
-from linattn.models.accuracy import Config, cls_sep_mask, load_texts, make_attention, measure
+from linattn.models.accuracy import (
+    Config,
+    cls_sep_mask,
+    load_texts,
+    make_attention,
+    measure,
+)
 
 HAS_READERS = all(importlib.util.find_spec(m) for m in ("safetensors", "tokenizers"))
 HAS_MINILM = HAS_READERS and importlib.util.find_spec(minilm.MINILM_PACKAGE) is not None
