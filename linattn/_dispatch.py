@@ -11,6 +11,7 @@ is imported lazily, here and nowhere else, so ``linattn`` imports without numba.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ __all__ = [
 Backend = Literal["auto", "numba", "array_api"]
 BACKENDS: tuple[Backend, ...] = ("auto", "numba", "array_api")
 ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
+
+#: Found without importing it (importing numba is slow): where it is missing, no call tries
+#: ``import linattn_numba``, which torch.compile would record as a graph break.
+NUMBA_INSTALLED = importlib.util.find_spec("numba") is not None
 
 Path = Literal["numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api"]
 #: The paths a plan can name (reported, not selectable).
@@ -256,6 +261,8 @@ def fused_map(feature_map: FeatureMap | None) -> bool:
 
 def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     """The kernel entry point that serves arrays like ``x``, or ``None`` and the reason."""
+    if not NUMBA_INSTALLED:  # a constant: no failing import inside a compiled region
+        return None, "numba is not installed; install linattn[numba]"
     try:
         import linattn_numba
     except ImportError as error:
