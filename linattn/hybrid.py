@@ -437,7 +437,7 @@ class FarPart(Part):
                     kv,
                     log_shift,
                     chunk_size=self.chunk_size,
-                    plan=self.plan,
+                    plan=plan,
                     return_log_scale=True,
                 )
             else:
