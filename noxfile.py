@@ -174,6 +174,10 @@ def kernels(session: nox.Session) -> None:
         "linattn_numba/cpu.py",
         "linattn_numba/_torch.py",
         "linattn_numba/_machinery.py",
+        "linattn_numba/_window.py",
+        "linattn_numba/_hybrid.py",
+        "linattn_numba/_bidirectional.py",
+        "linattn_numba/_decode.py",
         "-p",
         "no:cacheprovider",
     )

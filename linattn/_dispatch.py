@@ -287,6 +287,16 @@ def window_kernel_for(x: Array) -> Any:
     return _window
 
 
+def hybrid_kernel_for(x: Array) -> Any:
+    """The compiled causal hybrid pass for arrays like ``x``, or ``None``: the module
+    :mod:`linattn_numba._hybrid` where :func:`window_kernel_for` gives the window kernel."""
+    if window_kernel_for(x) is None:
+        return None
+    from linattn_numba import _hybrid
+
+    return _hybrid
+
+
 def _numpy_backward() -> Callable[..., Any] | None:
     from linattn_numba import cpu
 

@@ -384,8 +384,8 @@ def _exact_parts_attention(
     """:func:`linear_attention` with exact parts (``linattn.hybrid``)."""
     call = exact_parts_call(q, k, v, feature_map, return_state=return_state, **options)
     xp, info = call.info.xp, call.info
-    rows, far_state = hybrid.hybrid_rows(xp, call.parts)
-    out = xp.astype(causal_path.normalise(xp, rows), info.dtype, copy=False)
+    out, far_state = hybrid.hybrid_outputs(xp, call.parts)
+    out = xp.astype(out, info.dtype, copy=False)
     if not return_state:
         return out
     fields = {**call.fields, **far_state}

@@ -643,6 +643,66 @@ def _no_gradient(d: Array) -> None:
     return None
 
 
+def hybrid_outputs(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:
+    """Normalised outputs of all parts, and the far part's state (``kv``, ``log_shift``).
+
+    Causal parts whose far part runs the fused CPU pass run in one compiled pass
+    (:func:`fused_causal_parts`); all others merge their partials (:func:`hybrid_rows`).
+    """
+    fused = fused_causal_parts(xp, found)
+    if fused is not None:
+        return fused
+    rows, state = hybrid_rows(xp, found)
+    return causal_path.normalise(xp, rows), state
+
+
+def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]] | None:
+    """Causal window, sinks and fused far keys in one pass (:mod:`linattn_numba._hybrid`),
+    or ``None`` where the parts are not those (or the kernel cannot run)."""
+    far = [p for p in found if isinstance(p, FarPart)]
+    window = [p for p in found if isinstance(p, WindowPart)]
+    sinks = [p for p in found if isinstance(p, ExactKeysPart)]
+    if len(far) != 1 or len(found) != len(far) + len(window) + len(sinks):
+        return None
+    (part,) = far
+    kernel = _dispatch.hybrid_kernel_for(part.q)
+    if kernel is None or not (part.causal and part.plan.fused) or part.reverse:
+        return None
+    batch = tuple(part.q.shape[:-2])
+    d, dv = part.q.shape[-1], part.v.shape[-1]
+    if window:
+        (band,) = window
+        keys, values, keep, span = band.keys, band.values, band.keep, band.span
+    else:
+        _, keys, values, keep = part.operands(xp)
+        span = 0
+    if sinks:
+        (sink,) = sinks
+        sink_keys, sink_values, visible = sink.keys, sink.values, sink.visible
+    else:
+        sink_keys, sink_values = (
+            _zeros(xp, (*batch, 0, d), part.q),
+            _zeros(xp, (*batch, 0, dv), part.q),
+        )
+        visible = _no_keys(xp, (*batch, part.q.shape[-2], 0), None)
+    projection, hyperbolic = _dispatch._fused_map(part.feature_map)
+    m = part.feature_map.num_features
+    out, kv, log_shift = kernel.causal_forward(
+        part.q,
+        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (keys, values)),
+        xp.broadcast_to(keep, (*batch, keep.shape[-1])),
+        span,
+        part.feature_map.scale,
+        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (sink_keys, sink_values, visible)),
+        projection,
+        hyperbolic=hyperbolic,
+        kv=xp.broadcast_to(part.kv, (*batch, m, dv + 1)),
+        log_shift=xp.broadcast_to(part.log_shift, (*batch, m)),
+        chunk_size=part.chunk_size,
+    )
+    return out, {"kv": kv, "log_shift": log_shift}
+
+
 def hybrid_rows(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:
     """Merged rows of all parts, and the far part's state (``kv``, ``log_shift``)."""
     partials, state = [], {}

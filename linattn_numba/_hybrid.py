@@ -1,0 +1,290 @@
+"""The causal hybrid forward in one Numba pass: window, sinks and far keys per chunk.
+
+``linattn.hybrid`` splits the keys of causal hybrid attention into three parts (each key
+in exactly one): the window, the sink keys, and the far keys, which random features
+estimate through the causal pass on keys lagged by the window ``w``.  On NumPy arrays
+that took three kernels (the fused causal pass, the window kernel, the sinks' products)
+and a merge, each reading and writing ``L``-long arrays.  Here one pass does it all:
+per block of tokens it computes the queries' and the lagged keys' features
+(:func:`linattn_numba.cpu._log_features`), runs each chunk of the far part
+(:func:`linattn_numba.cpu._chunk_forward`, which leaves the rows ``[num | den]`` and
+their log-scale), then, per query, the exact logits of its window and of the sinks it
+sees (invisible keys *skipped*, as in :mod:`linattn_numba._window`), and merges the two
+partials as online softmax does before normalising.  No ``L x m`` array and no
+``L``-long intermediate exists; the random-feature state after the far keys is the
+result's ``(kv, log_shift)``.
+
+The contract is that of ``linattn.hybrid``'s causal parts.  The extended keys ``E``
+(``(..., T + w, d)``, values likewise, ``keep`` ``(..., T + w)``) are the window cache
+followed by the call's keys, so query ``i`` sees ``E[i + 1 .. i + w]`` exactly and
+``E[0 .. i]`` (on top of the state) by random features, each where ``keep`` is True
+(``keep`` excludes the sinks); the sinks are ``(..., S, d)`` keys with ``visible``
+``(..., T, S)``.  Forward only: gradients go through the parts' adjoints.
+
+Examples
+--------
+>>> import numpy as np
+>>> from linattn_numba import _hybrid
+>>> q = np.zeros((1, 2, 2)); keys = np.zeros((1, 3, 2)); keep = np.array([[False, True, True]])
+>>> values = np.array([[[0.0], [1.0], [3.0]]])
+>>> sinks = np.zeros((1, 0, 2)), np.zeros((1, 0, 1)), np.zeros((1, 2, 0), bool)
+>>> out, kv, mu = _hybrid.causal_forward(q, keys, values, keep, 1, 1.0, *sinks,
+...     np.eye(2), hyperbolic=False, kv=np.zeros((1, 2, 2)), log_shift=np.full((1, 2), -np.inf),
+...     chunk_size=64)
+>>> out[0]  # query 1 averages its window key (3) and its far key (1), equal weights
+array([[1.],
+       [2.]])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import prange
+
+from linattn_numba import _contract, _machinery, cpu
+from linattn_numba._window import _dot, _row_logits, _shift
+
+__all__ = ["causal_forward"]
+
+_jit = _machinery.jit
+
+
+@_jit()
+def _exact_rows(q, keys, values, keep, sinks, sink_values, visible, i, span, consts, scratch, row):
+    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window and the
+    sinks it sees, ``p = exp(logit - c)``; returns ``c`` (``-inf`` where it sees none)."""
+    dv = values.shape[1]
+    logits, sink_logits = scratch[0], scratch[1]
+    top = _row_logits(q, keys, keep, i, span, consts, logits)
+    for j in range(sinks.shape[0]):
+        if visible[i, j]:
+            logit = _dot(q[i], sinks[j], consts[0]) * consts[2]
+            sink_logits[j] = logit
+            if logit > top or logit != logit:
+                top = logit
+    shift = _shift(top, consts[0])
+    for e in range(dv + 1):
+        row[e] = consts[0]
+    for o in range(span):
+        j = i + 1 + o
+        if keep[j]:
+            p = cpu.fast_exp(logits[o] - shift)
+            for e in range(dv):
+                row[e] += p * values[j, e]
+            row[dv] += p
+    for j in range(sinks.shape[0]):
+        if visible[i, j]:
+            p = cpu.fast_exp(sink_logits[j] - shift)
+            for e in range(dv):
+                row[e] += p * sink_values[j, e]
+            row[dv] += p
+    return top
+
+
+@_jit()
+def _merge_into(far, far_scale, row, top, zero, out):
+    """``out = (a far + b row)[:d_v] / (a far + b row)[d_v]`` with ``a, b`` the two
+    partials' scales against their maximum (online softmax); ``0`` where nothing is seen."""
+    dv = out.shape[0]
+    if far[dv] == 0:
+        far_scale = -np.inf  # a row that saw no far key holds nothing
+    both = far_scale if (far_scale > top or far_scale != far_scale) else top
+    both = _shift(both, zero)
+    a = cpu.fast_exp(far_scale - both)
+    b = cpu.fast_exp(top - both)
+    den = a * far[dv] + b * row[dv]
+    if den == 0:
+        den = zero + 1
+    for e in range(dv):
+        out[e] = (a * far[e] + b * row[e]) / den
+
+
+@_machinery.Variants
+def _forward(
+    q, keys, values, keep, sinks, sink_values, visible, projection, consts, window_consts,
+    hyperbolic, kv, mu, chunk, span, out,
+):  # fmt: skip
+    batch, length, _ = q.shape
+    dv = values.shape[2]
+    m = kv.shape[1]
+    rows = projection.shape[0]
+    dtype = q.dtype
+    block_rows = chunk * max(1, cpu.FEATURE_BLOCK // chunk)
+    for b in prange(batch):
+        work, square, vecs, state_out, product = cpu._workspace(chunk, m, dv + 1, dtype)
+        proj = np.empty((block_rows if hyperbolic else 0, rows), dtype)
+        lq = np.empty((block_rows, m), dtype)
+        lk = np.empty((block_rows, m), dtype)
+        va = np.empty((block_rows, dv + 1), dtype)
+        far = np.empty((chunk, dv + 1), dtype)
+        far_scale = np.empty(chunk, dtype)
+        scratch = np.empty((2, max(span, sinks.shape[1], 1)), dtype)
+        row = np.empty(dv + 1, dtype)
+        qb, kb, vb, keepb = q[b], keys[b], values[b], keep[b]
+        for s0 in range(0, length, block_rows):
+            s1 = min(s0 + block_rows, length)
+            n = s1 - s0
+            # The far key of query row t is E[t] (lagged by the window).
+            cpu._log_features(qb[s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
+            cpu._log_features(kb[s0:s1], projection, consts, hyperbolic, proj[:n], lk[:n])
+            for i in range(n):
+                if keepb[s0 + i]:
+                    for e in range(dv):
+                        va[i, e] = vb[s0 + i, e]
+                    va[i, dv] = 1
+                else:  # not a far key: no features, no values (a NaN must not leak)
+                    for r in range(m):
+                        lk[i, r] = -np.inf
+                    for e in range(dv + 1):
+                        va[i, e] = 0
+            for t0 in range(0, n, chunk):
+                t1 = min(t0 + chunk, n)
+                c = t1 - t0
+                cpu._chunk_forward(
+                    lq[t0:t1], lk[t0:t1], va[t0:t1], kv[b], mu[b], far[:c], work, square,
+                    vecs, state_out, product, far_scale[:c],
+                )  # fmt: skip
+                for i in range(c):
+                    t = s0 + t0 + i
+                    top = _exact_rows(
+                        qb, kb, vb, keepb, sinks[b], sink_values[b], visible[b], t, span,
+                        window_consts, scratch, row,
+                    )  # fmt: skip
+                    _merge_into(far[i], far_scale[i], row, top, window_consts[0], out[b, t])
+
+
+def _check(named: dict[str, Any]) -> np.dtype:
+    for name, x in named.items():
+        if not isinstance(x, np.ndarray):
+            raise TypeError(
+                f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
+            )
+    dtype = named["q"].dtype
+    if dtype not in cpu.DTYPES:
+        raise TypeError(f"q must have dtype float32 or float64; got {dtype}")
+    for name, x in named.items():
+        wanted = np.dtype(np.bool_) if name in ("keep", "visible") else dtype
+        if x.dtype != wanted:
+            raise TypeError(f"{name} must have dtype {wanted}; got {x.dtype}")
+    return dtype
+
+
+def causal_forward(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    keep: np.ndarray,
+    span: int,
+    scale: float,
+    sinks: np.ndarray,
+    sink_values: np.ndarray,
+    visible: np.ndarray,
+    projection: np.ndarray,
+    *,
+    hyperbolic: bool,
+    kv: np.ndarray,
+    log_shift: np.ndarray,
+    chunk_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Normalised causal hybrid attention and the far keys' state after the call.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        Queries ``(..., T, d)``, float32 or float64 (every float array has its dtype).
+    keys, values, keep : numpy.ndarray
+        The extended keys ``(..., T + span, d)``, values ``(..., T + span, d_v)`` and
+        bool ``(..., T + span)``: query ``i``'s window is ``keys[i + 1 .. i + span]``,
+        its far keys ``keys[0 .. i]``, each where ``keep``.
+    span : int
+        The window ``w`` (0: no window; the far keys are then the call's own).
+    scale : float
+        Logits are ``scale * q . k``; the feature map's scale.
+    sinks, sink_values, visible : numpy.ndarray
+        ``(..., S, d)``, ``(..., S, d_v)`` and bool ``(..., T, S)``: the sink keys and
+        which query sees which.
+    projection : numpy.ndarray
+        The feature map's ``(rows, d)`` projection; ``hyperbolic`` for that kind.
+    kv, log_shift : numpy.ndarray
+        The far keys' state before the call, ``(..., m, d_v + 1)`` and ``(..., m)``.
+    chunk_size : int
+        Tokens per chunk of the far part's causal pass.
+
+    Returns
+    -------
+    (outputs, kv, log_shift)
+        Outputs ``(..., T, d_v)`` and the state after the far keys ``keys[:T]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q = np.zeros((1, 1, 1)); keys = np.zeros((1, 1, 1)); values = np.full((1, 1, 1), 5.0)
+    >>> sinks = np.zeros((1, 1, 1)), np.full((1, 1, 1), 7.0), np.ones((1, 1, 1), bool)
+    >>> out, _, _ = causal_forward(q, keys, values, np.ones((1, 1), bool), 0, 1.0, *sinks,
+    ...     np.eye(1), hyperbolic=False, kv=np.zeros((1, 1, 2)),
+    ...     log_shift=np.full((1, 1), -np.inf), chunk_size=64)
+    >>> out  # the far key (5, weight 1) and the sink (7, weight exp(0) = 1)
+    array([[[6.]]])
+    """
+    span = int(span)
+    named = {
+        "q": q, "keys": keys, "values": values, "keep": keep, "sinks": sinks,
+        "sink_values": sink_values, "visible": visible, "kv": kv, "log_shift": log_shift,
+    }  # fmt: skip
+    dtype = _check(named)
+    if span < 0:
+        raise ValueError(f"span must be a non-negative integer; got {span}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be positive and finite; got {scale}")
+    *batch, length, d = q.shape
+    dv, count = values.shape[-1], sinks.shape[-2]
+    m = kv.shape[-2]
+    rows = projection.shape[0]
+    if projection.shape != (rows, d) or m != rows * (2 if hyperbolic else 1):
+        raise ValueError(
+            f"projection {projection.shape} does not match q {q.shape} and kv {kv.shape}"
+        )
+    expected = {
+        "keys": (*batch, length + span, d),
+        "values": (*batch, length + span, dv),
+        "keep": (*batch, length + span),
+        "sinks": (*batch, count, d),
+        "sink_values": (*batch, count, dv),
+        "visible": (*batch, length, count),
+        "kv": (*batch, m, dv + 1),
+        "log_shift": (*batch, m),
+    }
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} for q {q.shape}, span {span} and "
+                f"values (..., {dv}); got {tuple(named[name].shape)}"
+            )
+    n = math.prod(batch)
+
+    def flat(x: np.ndarray, tail: int) -> np.ndarray:
+        return np.ascontiguousarray(x).reshape((n, *x.shape[x.ndim - tail :]))
+
+    mu = np.array(log_shift, dtype=dtype).reshape((n, m))
+    state = cpu._without_empty_rows(np.array(kv, dtype=dtype).reshape((n, m, dv + 1)), mu)
+    consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
+    window_consts = np.array([0.0, -np.inf, scale], dtype=dtype)
+    scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
+    out = np.empty((n, length, dv), dtype)
+    chunk = cpu._chunk(_contract.check_chunk_size(chunk_size), length)
+    work = m * (dv + 1) + span * (d + dv)
+    with cpu._single_threaded_blas():
+        _forward.run(
+            _machinery.choose_variant(n, length, work),
+            flat(q, 2), flat(keys, 2), flat(values, 2), flat(keep, 1), flat(sinks, 2),
+            flat(sink_values, 2), flat(visible, 2), scaled_projection, consts,
+            window_consts, bool(hyperbolic), state, mu, chunk, span, out,
+        )  # fmt: skip
+    return (
+        out.reshape((*batch, length, dv)),
+        state.reshape((*batch, m, dv + 1)),
+        mu.reshape((*batch, m)),
+    )

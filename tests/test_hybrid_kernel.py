@@ -1,0 +1,158 @@
+"""The one-pass causal hybrid kernel (``linattn_numba._hybrid``) against the portable parts.
+
+The reference is ``linear_attention`` itself on ``array_api_strict`` arrays (which no
+kernel serves): the window, the sinks and the far keys as separate parts, merged.  The
+kernel computes the same estimate (the same features, the same keys in each part), so
+the two agree to rounding; float32 is held to float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linattn as la
+from linattn import _dispatch
+
+_hybrid = pytest.importorskip("linattn_numba._hybrid")
+xps = pytest.importorskip("array_api_strict")
+
+#: The same estimate rounded differently: float64 agrees to a few hundred ulp of the
+#: outputs (O(1)); float32 carries ~1e-6 relative rounding in logits of size ~5.
+FLOAT64 = {"rtol": 1e-10, "atol": 1e-12}
+FLOAT32 = {"rtol": 2e-5, "atol": 2e-5}
+BATCH, LENGTH, D = (2, 3), 150, 8
+
+
+def _inputs(dtype: str = "float64", seed: int = 0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=(*BATCH, LENGTH, D)).astype(dtype) for _ in range(3))
+    mask = rng.random((BATCH[0], 1, LENGTH)) > 0.25
+    mask[1, 0, :2] = False  # a masked sink
+    return q, k, v, mask
+
+
+def _options(window: int | None, sinks: int, chunk_size: int = 16) -> dict:
+    return {"causal": True, "window": window, "sink_keys": sinks, "chunk_size": chunk_size}
+
+
+def _launches() -> int:
+    return sum(_hybrid._forward.launches.values())
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+@pytest.mark.parametrize(("window", "sinks"), [(5, 3), (40, 0), (None, 4), (1, 1)])
+def test_kernel_equals_the_portable_parts(kind: str, window: int | None, sinks: int) -> None:
+    q, k, v, mask = _inputs()
+    fm = la.FeatureMap(D, 16, kind=kind, seed=1)
+    before = _launches()
+    got = la.linear_attention(q, k, v, fm, key_mask=mask, **_options(window, sinks))
+    assert _launches() == before + 1
+    a = xps.asarray
+    want = la.linear_attention(a(q), a(k), a(v), fm, key_mask=a(mask), **_options(window, sinks))
+    np.testing.assert_allclose(got, np.asarray(want), **FLOAT64)
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    got32 = la.linear_attention(q32, k32, v32, fm, key_mask=mask, **_options(window, sinks))
+    assert got32.dtype == np.float32
+    np.testing.assert_allclose(got32, got, **FLOAT32)
+
+
+def test_whole_equals_pieces_and_tokens_and_any_chunk() -> None:
+    q, k, v, mask = _inputs(seed=1)
+    fm = la.FeatureMap(D, 16, seed=2)
+    whole, state = la.linear_attention(
+        q, k, v, fm, key_mask=mask, return_state=True, **_options(6, 2)
+    )
+    other_chunk = la.linear_attention(q, k, v, fm, key_mask=mask, **_options(6, 2, chunk_size=7))
+    np.testing.assert_allclose(other_chunk, whole, **FLOAT64)
+    pieces, piece_state = [], None
+    for start, stop in ((0, 1), (1, 40), (40, 41), (41, LENGTH)):  # tokens and pieces
+        out, piece_state = la.linear_attention(
+            q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :], fm,
+            key_mask=mask[..., start:stop], state=piece_state, return_state=True,
+            **_options(6, 2),
+        )  # fmt: skip
+        pieces.append(out)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=-2), whole, **FLOAT64)
+    np.testing.assert_allclose(piece_state.kv, state.kv, **FLOAT64)
+    np.testing.assert_allclose(piece_state.log_shift, state.log_shift, **FLOAT64)
+
+
+def test_masked_keys_never_reach_a_row() -> None:
+    q, k, v, mask = _inputs(seed=3)
+    fm = la.FeatureMap(D, 16, seed=3)
+    clean = la.linear_attention(q, k, v, fm, key_mask=mask, **_options(5, 3))
+    hidden = np.broadcast_to(~mask, k.shape[:-1])
+    bad_k, bad_v = k.copy(), v.copy()
+    bad_k[hidden], bad_v[hidden] = np.nan, np.inf
+    dirty = la.linear_attention(q, bad_k, bad_v, fm, key_mask=mask, **_options(5, 3))
+    assert np.array_equal(dirty, clean)
+
+
+def test_serial_and_parallel_variants_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, mask = _inputs(seed=4)
+    fm = la.FeatureMap(D, 16, seed=4)
+    results = []
+    for variant in ("serial", "parallel"):
+        monkeypatch.setattr(_hybrid._machinery, "choose_variant", lambda *_, v=variant: v)
+        results.append(la.linear_attention(q, k, v, fm, key_mask=mask, **_options(5, 3)))
+    assert np.array_equal(results[0], results[1])
+
+
+def test_other_paths_do_not_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, _ = _inputs()
+    fm = la.FeatureMap(D, 16, seed=1)
+    assert _dispatch.hybrid_kernel_for(q) is _hybrid
+    assert _dispatch.hybrid_kernel_for(xps.asarray(q)) is None
+    before = _launches()
+    la.linear_attention(q, k, v, None, **_options(5, 3))  # no feature map: the window kernel
+    la.linear_attention(q, k, v, fm, **{**_options(5, 3), "causal": False})
+    monkeypatch.setenv("LINATTN_BACKEND", "array_api")
+    la.linear_attention(q, k, v, fm, **_options(5, 3))
+    assert _launches() == before
+
+
+def _call(**change: object) -> dict:
+    rng = np.random.default_rng(0)
+    length, span, d, dv, m = 6, 2, 4, 3, 8
+    args = {
+        "q": rng.normal(size=(2, length, d)),
+        "keys": rng.normal(size=(2, length + span, d)),
+        "values": rng.normal(size=(2, length + span, dv)),
+        "keep": np.ones((2, length + span), bool),
+        "span": span,
+        "scale": 0.5,
+        "sinks": np.zeros((2, 1, d)),
+        "sink_values": np.zeros((2, 1, dv)),
+        "visible": np.ones((2, length, 1), bool),
+        "projection": rng.normal(size=(m, d)),
+        "hyperbolic": False,
+        "kv": np.zeros((2, m, dv + 1)),
+        "log_shift": np.full((2, m), -np.inf),
+        "chunk_size": 4,
+    }
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"q": [[0.0]]}, TypeError, "q must be a numpy.ndarray; got builtins.list"),
+        ({"span": -1}, ValueError, "span must be a non-negative integer; got -1"),
+        ({"span": 3}, ValueError, r"keys must have shape \(2, 9, 4\) for q"),
+        ({"scale": float("nan")}, ValueError, "scale must be positive and finite; got nan"),
+        ({"keep": np.ones((2, 8))}, TypeError, "keep must have dtype bool; got float64"),
+        (
+            {"visible": np.ones((2, 5, 1), bool)},
+            ValueError,
+            r"visible must have shape \(2, 6, 1\)",
+        ),
+        ({"kv": np.zeros((2, 8, 4), np.float32)}, TypeError, "kv must have dtype float64"),
+        ({"projection": np.ones((8, 5))}, ValueError, r"projection \(8, 5\) does not match"),
+        ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ],
+)
+def test_bad_inputs_are_named(change: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        _hybrid.causal_forward(**_call(**change))
