@@ -45,39 +45,57 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _contract, _machinery, cpu
-from linattn_numba._window import _dot, _row_logits, _shift
+from linattn_numba._window import _shift
 
 __all__ = ["causal_forward"]
 
 _jit = _machinery.jit
 
 
+@_jit(fastmath=frozenset({"contract", "reassoc"}))
+def _dot_rows(a, i, b, j, zero):
+    """``a[i] . b[j]`` summed in any order (rows by index: no views in the hot loop)."""
+    acc = zero
+    for r in range(a.shape[1]):
+        acc += a[i, r] * b[j, r]
+    return acc
+
+
 @_jit()
 def _exact_rows(q, keys, values, keep, sinks, sink_values, visible, i, span, consts, scratch, row):
-    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window and the
-    sinks it sees, ``p = exp(logit - c)``; returns ``c`` (``-inf`` where it sees none)."""
+    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window
+    ``keys[i + 1 .. i + span]`` (where ``keep``) and the sinks it sees, ``p = exp(logit -
+    c)``; returns ``c``, the largest visible logit (``-inf`` where it sees none, NaN if
+    one is NaN).  Invisible keys are skipped: nothing they hold reaches the row."""
     dv = values.shape[1]
-    logits, sink_logits = scratch[0], scratch[1]
-    top = _row_logits(q, keys, keep, i, span, consts, logits)
-    for j in range(sinks.shape[0]):
-        if visible[i, j]:
-            logit = _dot(q[i], sinks[j], consts[0]) * consts[2]
-            sink_logits[j] = logit
-            if logit > top or logit != logit:
-                top = logit
-    shift = _shift(top, consts[0])
-    for e in range(dv + 1):
-        row[e] = consts[0]
+    zero, scale = consts[0], consts[2]
+    top = consts[1]
     for o in range(span):
         j = i + 1 + o
         if keep[j]:
-            p = cpu.fast_exp(logits[o] - shift)
+            logit = _dot_rows(q, i, keys, j, zero) * scale
+            scratch[o] = logit
+            if logit > top or logit != logit:  # (once NaN, nothing is greater)
+                top = logit
+    for j in range(sinks.shape[0]):
+        if visible[i, j]:
+            logit = _dot_rows(q, i, sinks, j, zero) * scale
+            scratch[span + j] = logit
+            if logit > top or logit != logit:
+                top = logit
+    shift = _shift(top, zero)
+    for e in range(dv + 1):
+        row[e] = zero
+    for o in range(span):
+        j = i + 1 + o
+        if keep[j]:
+            p = cpu.fast_exp(scratch[o] - shift)
             for e in range(dv):
                 row[e] += p * values[j, e]
             row[dv] += p
     for j in range(sinks.shape[0]):
         if visible[i, j]:
-            p = cpu.fast_exp(sink_logits[j] - shift)
+            p = cpu.fast_exp(scratch[span + j] - shift)
             for e in range(dv):
                 row[e] += p * sink_values[j, e]
             row[dv] += p
@@ -85,21 +103,22 @@ def _exact_rows(q, keys, values, keep, sinks, sink_values, visible, i, span, con
 
 
 @_jit()
-def _merge_into(far, far_scale, row, top, zero, out):
-    """``out = (a far + b row)[:d_v] / (a far + b row)[d_v]`` with ``a, b`` the two
+def _merge_into(far, i, far_scale, row, top, zero, out, t):
+    """``out[t] = (a far[i] + b row)[:d_v] / (a far[i] + b row)[d_v]``, ``a, b`` the two
     partials' scales against their maximum (online softmax); ``0`` where nothing is seen."""
-    dv = out.shape[0]
-    if far[dv] == 0:
+    dv = out.shape[1]
+    if far[i, dv] == 0:
         far_scale = -np.inf  # a row that saw no far key holds nothing
     both = far_scale if (far_scale > top or far_scale != far_scale) else top
     both = _shift(both, zero)
     a = cpu.fast_exp(far_scale - both)
     b = cpu.fast_exp(top - both)
-    den = a * far[dv] + b * row[dv]
+    den = a * far[i, dv] + b * row[dv]
     if den == 0:
         den = zero + 1
+    a, b = a / den, b / den
     for e in range(dv):
-        out[e] = (a * far[e] + b * row[e]) / den
+        out[t, e] = a * far[i, e] + b * row[e]
 
 
 @_machinery.Variants
@@ -121,9 +140,10 @@ def _forward(
         va = np.empty((block_rows, dv + 1), dtype)
         far = np.empty((chunk, dv + 1), dtype)
         far_scale = np.empty(chunk, dtype)
-        scratch = np.empty((2, max(span, sinks.shape[1], 1)), dtype)
+        scratch = np.empty(span + sinks.shape[1], dtype)
         row = np.empty(dv + 1, dtype)
-        qb, kb, vb, keepb = q[b], keys[b], values[b], keep[b]
+        qb, kb, vb, keepb, outb = q[b], keys[b], values[b], keep[b], out[b]
+        sb, svb, visb = sinks[b], sink_values[b], visible[b]
         for s0 in range(0, length, block_rows):
             s1 = min(s0 + block_rows, length)
             n = s1 - s0
@@ -150,10 +170,9 @@ def _forward(
                 for i in range(c):
                     t = s0 + t0 + i
                     top = _exact_rows(
-                        qb, kb, vb, keepb, sinks[b], sink_values[b], visible[b], t, span,
-                        window_consts, scratch, row,
-                    )  # fmt: skip
-                    _merge_into(far[i], far_scale[i], row, top, window_consts[0], out[b, t])
+                        qb, kb, vb, keepb, sb, svb, visb, t, span, window_consts, scratch, row
+                    )
+                    _merge_into(far, i, far_scale[i], row, top, window_consts[0], outb, t)
 
 
 def _check(named: dict[str, Any]) -> np.dtype:
