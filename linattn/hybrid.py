@@ -307,28 +307,51 @@ class ExactKeysPart(Part):
 
 @dataclass(frozen=True)
 class WindowPart(Part):
-    """Query ``i`` against ``keys[i + 1 .. i + span]`` (:func:`banded_partial`)."""
+    """Query ``i`` against ``keys[i + 1 .. i + span]`` (:func:`banded_partial`), where the
+    band's keys are ``before``, the call's ``k`` and ``after`` in position order."""
 
     q: Array
-    keys: Array  # (..., T + span, d): the band's keys in position order
-    values: Array
-    keep: Array
+    k: Array  # the call's keys and values
+    v: Array
+    keep: Array  # (..., first + T + after): which of the band's keys take part
     span: int
     scale: float
-    first: int  # keys[first + j] is key j of the call
+    before: tuple[Array, Array]  # keys and values before the call's (``first`` rows)
+    after: tuple[Array, Array] | None = None  # and after them (bidirectional padding)
+
+    @property
+    def first(self) -> int:
+        """``keys[first + j]`` is key ``j`` of the call."""
+        return int(self.before[0].shape[-2])
+
+    def band(self, xp: Namespace) -> tuple[Array, Array]:
+        """The band's keys ``(..., T + span, d)`` and values, in position order."""
+        after = [] if self.after is None else [self.after]
+        pieces = [self.before, (self.k, self.v), *after]
+        keys = xp.concat(
+            [xp.broadcast_to(p[0], (*self.k.shape[:-2], *p[0].shape[-2:])) for p in pieces],
+            axis=-2,
+        )
+        values = xp.concat(
+            [xp.broadcast_to(p[1], (*self.v.shape[:-2], *p[1].shape[-2:])) for p in pieces],
+            axis=-2,
+        )
+        return keys, values
 
     def rows(self, xp: Namespace) -> Partial:
-        return banded_partial(xp, self.q, self.keys, self.values, self.keep, self.span, self.scale)
+        keys, values = self.band(xp)
+        return banded_partial(xp, self.q, keys, values, self.keep, self.span, self.scale)
 
     def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
         calls = slice(self.first, self.first + self.q.shape[-2])  # the call's own keys
+        keys, values = self.band(xp)
         kernel = _dispatch.window_kernel_for(self.q)
         if kernel is not None:
-            args = (self.q, self.keys, self.values, self.keep, self.span, self.scale)
+            args = (self.q, keys, values, self.keep, self.span, self.scale)
             _, log_scale = kernel.banded_partial(*args)
             dq, dk, dv = kernel.banded_partial_backward(*args, log_scale, g)
             return dq, dk[..., calls, :], dv[..., calls, :]
-        band = Band.of(xp, self.q, self.keys, self.values, self.keep, self.span)
+        band = Band.of(xp, self.q, keys, values, self.keep, self.span)
         logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * self.scale
         g = _blocked(xp, g, band.queries.shape[-3] * band.size, band.size, 0.0)
         dq, dk, dv = _softmax_backward(
@@ -605,15 +628,13 @@ def causal_parts(
         # Without a state the sinks are the call's first keys (and take their gradients).
         scatter = _scatter_first(xp, length) if state is None else _no_gradient
         found.append(ExactKeysPart(q, sinks[0], sinks[1], visible, scale, scatter))
-    keys = xp.concat([lead[0], k], axis=-2)
-    values = xp.concat([lead[1], v], axis=-2)
     if w:
-        found.append(WindowPart(q, keys, values, kept, w, scale, first=w))
+        found.append(WindowPart(q, k, v, kept, w, scale, before=(lead[0], lead[1])))
     fields: dict[str, Any] = {"kv": None, "log_shift": None, "sinks": sinks, "recent": None}
-    if w:
+    if w:  # the last w keys of the cache followed by the call's
         fields["recent"] = (
-            keys[..., length:, :],
-            values[..., length:, :],
+            _last_rows(xp, lead[0], k, w),
+            _last_rows(xp, lead[1], v, w),
             xp.concat([lead[2], keep], axis=-1)[..., length:],
         )
     if feature_map is not None:
@@ -636,6 +657,14 @@ def causal_parts(
         )
         found.append(far)
     return found, fields
+
+
+def _last_rows(xp: Namespace, lead: Array, x: Array, count: int) -> Array:
+    """The last ``count`` rows of ``lead`` followed by ``x`` (a view where ``x`` has them)."""
+    length = x.shape[-2]
+    if length >= count:
+        return x[..., length - count :, :]
+    return xp.concat([lead[..., length:, :], x], axis=-2)
 
 
 def _no_gradient(d: Array) -> None:
@@ -672,10 +701,10 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
     d, dv = part.q.shape[-1], part.v.shape[-1]
     if window:
         (band,) = window
-        keys, values, keep, span = band.keys, band.values, band.keep, band.span
-    else:
-        _, keys, values, keep = part.operands(xp)
-        span = 0
+        (recent, recent_values), keep, span = band.before, band.keep, band.span
+    else:  # no window: no cache, the far keys are the call's own
+        keep, span = part.operands(xp)[3], 0
+        recent, recent_values = (_zeros(xp, (*batch, 0, x.shape[-1]), x) for x in (part.k, part.v))
     if sinks:
         (sink,) = sinks
         sink_keys, sink_values, visible = sink.keys, sink.values, sink.visible
@@ -689,8 +718,9 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
     m = part.feature_map.num_features
     out, kv, log_shift = kernel.causal_forward(
         part.q,
-        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (keys, values)),
+        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (part.k, part.v)),
         xp.broadcast_to(keep, (*batch, keep.shape[-1])),
+        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (recent, recent_values)),
         span,
         part.feature_map.scale,
         *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (sink_keys, sink_values, visible)),
@@ -798,8 +828,17 @@ def bidirectional_parts(
         found.append(_exact_keys_part(xp, q, k, v, xp.logical_and(keep, exact), s, parts, scale))
     rest = xp.logical_and(keep, xp.logical_not(exact))
     if w:
-        keys, values, kept = (_pad_keys(xp, x, w, w - 1) for x in (k, v, rest))
-        found.append(WindowPart(q, keys, values, kept, 2 * w - 1, scale, first=w))
+        zeros = [
+            _zeros(xp, (*x.shape[:-2], rows, x.shape[-1]), x)
+            for x in (k, v)
+            for rows in (w, w - 1)
+        ]
+        found.append(
+            WindowPart(
+                q, k, v, _pad_keys(xp, rest, w, w - 1), 2 * w - 1, scale,
+                before=(zeros[0], zeros[2]), after=(zeros[1], zeros[3]),
+            )
+        )  # fmt: skip
     if feature_map is not None:
         kv, log_shift = state_arrays(xp, None, feature_map, batch, v.shape[-1], q)
         for reverse in (False, True) if w else (False,):

@@ -14,21 +14,23 @@ partials as online softmax does before normalising.  No ``L x m`` array and no
 ``L``-long intermediate exists; the random-feature state after the far keys is the
 result's ``(kv, log_shift)``.
 
-The contract is that of ``linattn.hybrid``'s causal parts.  The extended keys ``E``
-(``(..., T + w, d)``, values likewise, ``keep`` ``(..., T + w)``) are the window cache
-followed by the call's keys, so query ``i`` sees ``E[i + 1 .. i + w]`` exactly and
-``E[0 .. i]`` (on top of the state) by random features, each where ``keep`` is True
-(``keep`` excludes the sinks); the sinks are ``(..., S, d)`` keys with ``visible``
-``(..., T, S)``.  Forward only: gradients go through the parts' adjoints.
+The contract is that of ``linattn.hybrid``'s causal parts.  The band's keys ``E`` are the
+window cache ``recent`` (``(..., w, d)``, the ``w`` keys before the call) followed by the
+call's keys ``k`` (``(..., T, d)``; values likewise), and ``keep`` (``(..., w + T)``)
+says which of them take part (it excludes the sinks): query ``i`` sees ``E[i + 1 .. i +
+w]`` exactly and ``E[0 .. i]`` (on top of the state) by random features.  ``E`` is never
+built: row ``e`` is read from the cache or the call's keys.  The sinks are ``(..., S,
+d)`` keys with ``visible`` ``(..., T, S)``.  Forward only: gradients go through the
+parts' adjoints.
 
 Examples
 --------
 >>> import numpy as np
 >>> from linattn_numba import _hybrid
->>> q = np.zeros((1, 2, 2)); keys = np.zeros((1, 3, 2)); keep = np.array([[False, True, True]])
->>> values = np.array([[[0.0], [1.0], [3.0]]])
+>>> q = np.zeros((1, 2, 2)); k = np.zeros((1, 2, 2)); keep = np.array([[False, True, True]])
+>>> v = np.array([[[1.0], [3.0]]]); recent = np.zeros((1, 1, 2)), np.zeros((1, 1, 1))
 >>> sinks = np.zeros((1, 0, 2)), np.zeros((1, 0, 1)), np.zeros((1, 2, 0), bool)
->>> out, kv, mu = _hybrid.causal_forward(q, keys, values, keep, 1, 1.0, *sinks,
+>>> out, kv, mu = _hybrid.causal_forward(q, k, v, keep, *recent, 1, 1.0, *sinks,
 ...     np.eye(2), hyperbolic=False, kv=np.zeros((1, 2, 2)), log_shift=np.full((1, 2), -np.inf),
 ...     chunk_size=64)
 >>> out[0]  # query 1 averages its window key (3) and its far key (1), equal weights
@@ -62,44 +64,60 @@ def _dot_rows(a, i, b, j, zero):
 
 
 @_jit()
-def _exact_rows(q, keys, values, keep, sinks, sink_values, visible, i, span, consts, scratch, row):
-    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window
-    ``keys[i + 1 .. i + span]`` (where ``keep``) and the sinks it sees, ``p = exp(logit -
-    c)``; returns ``c``, the largest visible logit (``-inf`` where it sees none, NaN if
-    one is NaN).  Invisible keys are skipped: nothing they hold reaches the row."""
-    dv = values.shape[1]
+def _exact_rows(
+    q, k, v, recent, recent_values, keep, sinks, sink_values, visible, i, span, consts, scratch,
+    row,
+):  # fmt: skip
+    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window ``E[i + 1
+    .. i + span]`` (where ``keep``) and the sinks it sees, ``p = exp(logit - c)``; returns
+    ``c``, the largest visible logit (``-inf`` where it sees none, NaN if one is NaN).
+    Invisible keys are skipped: nothing they hold reaches the row."""
+    dv = v.shape[1]
     zero, scale = consts[0], consts[2]
+    count = sinks.shape[0]
     top = consts[1]
     for o in range(span):
         j = i + 1 + o
+        logit = consts[1]
         if keep[j]:
-            logit = _dot_rows(q, i, keys, j, zero) * scale
-            scratch[o] = logit
+            if j < span:
+                logit = _dot_rows(q, i, recent, j, zero) * scale
+            else:
+                logit = _dot_rows(q, i, k, j - span, zero) * scale
             if logit > top or logit != logit:  # (once NaN, nothing is greater)
                 top = logit
-    for j in range(sinks.shape[0]):
+        scratch[o] = logit
+    for j in range(count):
+        logit = consts[1]
         if visible[i, j]:
             logit = _dot_rows(q, i, sinks, j, zero) * scale
-            scratch[span + j] = logit
             if logit > top or logit != logit:
                 top = logit
+        scratch[span + j] = logit
     shift = _shift(top, zero)
+    for o in range(span + count):  # (one loop of exponentials: it vectorises; exp(-inf) = 0)
+        scratch[o] = cpu.fast_exp(scratch[o] - shift)
     for e in range(dv + 1):
         row[e] = zero
     for o in range(span):
         j = i + 1 + o
         if keep[j]:
-            p = cpu.fast_exp(scratch[o] - shift)
-            for e in range(dv):
-                row[e] += p * values[j, e]
-            row[dv] += p
-    for j in range(sinks.shape[0]):
+            _add_row(
+                row, scratch[o], recent_values if j < span else v, j - span if j >= span else j
+            )
+    for j in range(count):
         if visible[i, j]:
-            p = cpu.fast_exp(scratch[span + j] - shift)
-            for e in range(dv):
-                row[e] += p * sink_values[j, e]
-            row[dv] += p
+            _add_row(row, scratch[span + j], sink_values, j)
     return top
+
+
+@_jit()
+def _add_row(row, p, values, j):
+    """``row += p [values[j] | 1]``."""
+    dv = values.shape[1]
+    for e in range(dv):
+        row[e] += p * values[j, e]
+    row[dv] += p
 
 
 @_jit()
@@ -123,11 +141,11 @@ def _merge_into(far, i, far_scale, row, top, zero, out, t):
 
 @_machinery.Variants
 def _forward(
-    q, keys, values, keep, sinks, sink_values, visible, projection, consts, window_consts,
-    hyperbolic, kv, mu, chunk, span, out,
+    q, k, v, keep, recent, recent_values, sinks, sink_values, visible, projection, consts,
+    window_consts, hyperbolic, kv, mu, chunk, span, out,
 ):  # fmt: skip
-    batch, length, _ = q.shape
-    dv = values.shape[2]
+    batch, length, d = q.shape
+    dv = v.shape[2]
     m = kv.shape[1]
     rows = projection.shape[0]
     dtype = q.dtype
@@ -137,29 +155,38 @@ def _forward(
         proj = np.empty((block_rows if hyperbolic else 0, rows), dtype)
         lq = np.empty((block_rows, m), dtype)
         lk = np.empty((block_rows, m), dtype)
+        kx = np.empty((block_rows, d), dtype)
         va = np.empty((block_rows, dv + 1), dtype)
         far = np.empty((chunk, dv + 1), dtype)
         far_scale = np.empty(chunk, dtype)
         scratch = np.empty(span + sinks.shape[1], dtype)
         row = np.empty(dv + 1, dtype)
-        qb, kb, vb, keepb, outb = q[b], keys[b], values[b], keep[b], out[b]
+        qb, kb, vb, keepb, outb = q[b], k[b], v[b], keep[b], out[b]
+        rb, rvb = recent[b], recent_values[b]
         sb, svb, visb = sinks[b], sink_values[b], visible[b]
         for s0 in range(0, length, block_rows):
             s1 = min(s0 + block_rows, length)
             n = s1 - s0
-            # The far key of query row t is E[t] (lagged by the window).
-            cpu._log_features(qb[s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
-            cpu._log_features(kb[s0:s1], projection, consts, hyperbolic, proj[:n], lk[:n])
+            # The far key of query row t is E[t] (lagged by the window): gathered per block.
             for i in range(n):
-                if keepb[s0 + i]:
-                    for e in range(dv):
-                        va[i, e] = vb[s0 + i, e]
+                e = s0 + i
+                source, j = (rb, e) if e < span else (kb, e - span)
+                values = rvb if e < span else vb
+                for r in range(d):
+                    kx[i, r] = source[j, r]
+                if keepb[e]:
+                    for r in range(dv):
+                        va[i, r] = values[j, r]
                     va[i, dv] = 1
-                else:  # not a far key: no features, no values (a NaN must not leak)
+                else:  # not a far key: no values (a NaN must not leak), no features below
+                    for r in range(dv + 1):
+                        va[i, r] = 0
+            cpu._log_features(qb[s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
+            cpu._log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
+            for i in range(n):
+                if not keepb[s0 + i]:
                     for r in range(m):
                         lk[i, r] = -np.inf
-                    for e in range(dv + 1):
-                        va[i, e] = 0
             for t0 in range(0, n, chunk):
                 t1 = min(t0 + chunk, n)
                 c = t1 - t0
@@ -170,8 +197,9 @@ def _forward(
                 for i in range(c):
                     t = s0 + t0 + i
                     top = _exact_rows(
-                        qb, kb, vb, keepb, sb, svb, visb, t, span, window_consts, scratch, row
-                    )
+                        qb, kb, vb, rb, rvb, keepb, sb, svb, visb, t, span, window_consts,
+                        scratch, row,
+                    )  # fmt: skip
                     _merge_into(far, i, far_scale[i], row, top, window_consts[0], outb, t)
 
 
@@ -193,9 +221,11 @@ def _check(named: dict[str, Any]) -> np.dtype:
 
 def causal_forward(
     q: np.ndarray,
-    keys: np.ndarray,
-    values: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
     keep: np.ndarray,
+    recent: np.ndarray,
+    recent_values: np.ndarray,
     span: int,
     scale: float,
     sinks: np.ndarray,
@@ -214,10 +244,13 @@ def causal_forward(
     ----------
     q : numpy.ndarray
         Queries ``(..., T, d)``, float32 or float64 (every float array has its dtype).
-    keys, values, keep : numpy.ndarray
-        The extended keys ``(..., T + span, d)``, values ``(..., T + span, d_v)`` and
-        bool ``(..., T + span)``: query ``i``'s window is ``keys[i + 1 .. i + span]``,
-        its far keys ``keys[0 .. i]``, each where ``keep``.
+    k, v : numpy.ndarray
+        The call's keys ``(..., T, d)`` and values ``(..., T, d_v)``.
+    keep : numpy.ndarray
+        bool ``(..., span + T)``: which of the band's keys ``E = [recent | k]`` take part;
+        query ``i``'s window is ``E[i + 1 .. i + span]``, its far keys ``E[0 .. i]``.
+    recent, recent_values : numpy.ndarray
+        The window cache: the ``span`` keys ``(..., span, d)`` and values before the call.
     span : int
         The window ``w`` (0: no window; the far keys are then the call's own).
     scale : float
@@ -235,14 +268,15 @@ def causal_forward(
     Returns
     -------
     (outputs, kv, log_shift)
-        Outputs ``(..., T, d_v)`` and the state after the far keys ``keys[:T]``.
+        Outputs ``(..., T, d_v)`` and the state after the far keys ``E[:T]``.
 
     Examples
     --------
     >>> import numpy as np
-    >>> q = np.zeros((1, 1, 1)); keys = np.zeros((1, 1, 1)); values = np.full((1, 1, 1), 5.0)
+    >>> q = k = np.zeros((1, 1, 1)); v = np.full((1, 1, 1), 5.0)
+    >>> recent = np.zeros((1, 0, 1)), np.zeros((1, 0, 1))
     >>> sinks = np.zeros((1, 1, 1)), np.full((1, 1, 1), 7.0), np.ones((1, 1, 1), bool)
-    >>> out, _, _ = causal_forward(q, keys, values, np.ones((1, 1), bool), 0, 1.0, *sinks,
+    >>> out, _, _ = causal_forward(q, k, v, np.ones((1, 1), bool), *recent, 0, 1.0, *sinks,
     ...     np.eye(1), hyperbolic=False, kv=np.zeros((1, 1, 2)),
     ...     log_shift=np.full((1, 1), -np.inf), chunk_size=64)
     >>> out  # the far key (5, weight 1) and the sink (7, weight exp(0) = 1)
@@ -250,8 +284,9 @@ def causal_forward(
     """
     span = int(span)
     named = {
-        "q": q, "keys": keys, "values": values, "keep": keep, "sinks": sinks,
-        "sink_values": sink_values, "visible": visible, "kv": kv, "log_shift": log_shift,
+        "q": q, "k": k, "v": v, "keep": keep, "recent": recent, "recent_values": recent_values,
+        "sinks": sinks, "sink_values": sink_values, "visible": visible, "kv": kv,
+        "log_shift": log_shift,
     }  # fmt: skip
     dtype = _check(named)
     if span < 0:
@@ -259,7 +294,7 @@ def causal_forward(
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be positive and finite; got {scale}")
     *batch, length, d = q.shape
-    dv, count = values.shape[-1], sinks.shape[-2]
+    dv, count = v.shape[-1], sinks.shape[-2]
     m = kv.shape[-2]
     rows = projection.shape[0]
     if projection.shape != (rows, d) or m != rows * (2 if hyperbolic else 1):
@@ -267,9 +302,11 @@ def causal_forward(
             f"projection {projection.shape} does not match q {q.shape} and kv {kv.shape}"
         )
     expected = {
-        "keys": (*batch, length + span, d),
-        "values": (*batch, length + span, dv),
-        "keep": (*batch, length + span),
+        "k": (*batch, length, d),
+        "v": (*batch, length, dv),
+        "keep": (*batch, span + length),
+        "recent": (*batch, span, d),
+        "recent_values": (*batch, span, dv),
         "sinks": (*batch, count, d),
         "sink_values": (*batch, count, dv),
         "visible": (*batch, length, count),
@@ -298,7 +335,8 @@ def causal_forward(
     with cpu._single_threaded_blas():
         _forward.run(
             _machinery.choose_variant(n, length, work),
-            flat(q, 2), flat(keys, 2), flat(values, 2), flat(keep, 1), flat(sinks, 2),
+            flat(q, 2), flat(k, 2), flat(v, 2), flat(keep, 1), flat(recent, 2),
+            flat(recent_values, 2), flat(sinks, 2),
             flat(sink_values, 2), flat(visible, 2), scaled_projection, consts,
             window_consts, bool(hyperbolic), state, mu, chunk, span, out,
         )  # fmt: skip

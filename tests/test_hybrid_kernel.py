@@ -117,9 +117,11 @@ def _call(**change: object) -> dict:
     length, span, d, dv, m = 6, 2, 4, 3, 8
     args = {
         "q": rng.normal(size=(2, length, d)),
-        "keys": rng.normal(size=(2, length + span, d)),
-        "values": rng.normal(size=(2, length + span, dv)),
+        "k": rng.normal(size=(2, length, d)),
+        "v": rng.normal(size=(2, length, dv)),
         "keep": np.ones((2, length + span), bool),
+        "recent": rng.normal(size=(2, span, d)),
+        "recent_values": rng.normal(size=(2, span, dv)),
         "span": span,
         "scale": 0.5,
         "sinks": np.zeros((2, 1, d)),
@@ -140,7 +142,8 @@ def _call(**change: object) -> dict:
     [
         ({"q": [[0.0]]}, TypeError, "q must be a numpy.ndarray; got builtins.list"),
         ({"span": -1}, ValueError, "span must be a non-negative integer; got -1"),
-        ({"span": 3}, ValueError, r"keys must have shape \(2, 9, 4\) for q"),
+        ({"span": 3}, ValueError, r"keep must have shape \(2, 9\) for q"),
+        ({"recent": np.zeros((2, 1, 4))}, ValueError, r"recent must have shape \(2, 2, 4\)"),
         ({"scale": float("nan")}, ValueError, "scale must be positive and finite; got nan"),
         ({"keep": np.ones((2, 8))}, TypeError, "keep must have dtype bool; got float64"),
         (
