@@ -45,7 +45,15 @@ ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
 
 #: Found without importing it (importing numba is slow): where it is missing, no call tries
 #: ``import linattn_numba``, which torch.compile would record as a graph break.
-NUMBA_INSTALLED = importlib.util.find_spec("numba") is not None
+def _installed(name: str) -> bool:
+    """Whether ``name`` can be found; an import hook that refuses it counts as missing."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+NUMBA_INSTALLED = _installed("numba")
 
 Path = Literal["numba-cpu", "numba-cuda", "jax-scan", "dask-scan", "array-api"]
 #: The paths a plan can name (reported, not selectable).
