@@ -129,6 +129,7 @@ def make_linattn_torch(q, k, v, causal):
     return call, (lambda out: out.numpy()), info
 
 
+@functools.cache  # (once a process: gin refuses to register its configurables twice)
 def load_google(path: Path) -> Any:
     """google-research's fast_attention.py, imported from ``path`` unchanged.
 
