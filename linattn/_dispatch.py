@@ -43,6 +43,7 @@ Backend = Literal["auto", "numba", "array_api"]
 BACKENDS: tuple[Backend, ...] = ("auto", "numba", "array_api")
 ENVIRONMENT_VARIABLE = "LINATTN_BACKEND"
 
+
 #: Found without importing it (importing numba is slow): where it is missing, no call tries
 #: ``import linattn_numba``, which torch.compile would record as a graph break.
 def _installed(name: str) -> bool:
