@@ -155,3 +155,15 @@ def test_measure_exact_window_is_exact_and_cli_prints_tables(
     out = capsys.readouterr().out
     assert "per layer" in out and "w=16 + sinks" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_shared_draw_gives_every_layer_the_same_projection(shared: bool) -> None:
+    config = accuracy.Config("hybrid", kind="positive", num_features=16, shared_draw=shared)
+    attention = accuracy.make_attention(config, 8, seed=3)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 2, 5, 8)).astype(np.float32) for _ in range(3))
+    mask = np.ones((1, 5), bool)
+    layer0, layer1 = (attention(q, k, v, mask, layer) for layer in (0, 1))
+    assert np.array_equal(layer0, layer1) == shared
+    assert config.label.endswith("one draw") == shared

@@ -79,7 +79,8 @@ class Config:
 
     ``kind``/``num_features`` set the random features (None: far keys dropped);
     ``window`` the exact neighbours; ``sinks`` adds position 0 as a sink key and
-    ``[CLS]``/``[SEP]`` as exact keys.
+    ``[CLS]``/``[SEP]`` as exact keys; ``shared_draw`` gives every layer the same
+    projection (the estimators' errors then correlate across layers).
     """
 
     family: str
@@ -88,6 +89,7 @@ class Config:
     rebalance: bool = False
     window: int | None = None
     sinks: bool = False
+    shared_draw: bool = False
 
     @property
     def label(self) -> str:
@@ -99,6 +101,8 @@ class Config:
         if self.kind is not None:
             kind = self.kind + ("+rebalance" if self.rebalance else "")
             parts.append(f"{kind} m={self.num_features}")
+            if self.shared_draw:
+                parts.append("one draw")
         return " + ".join(parts) or self.family
 
     @property
@@ -149,7 +153,8 @@ def cls_sep_mask(key_mask: np.ndarray) -> np.ndarray:
 
 
 def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
-    """The attention callable of ``config``; layer ``l`` draws features with seed ``seed + l``.
+    """The attention callable of ``config``; layer ``l`` draws features with seed ``seed + l``
+    (``seed`` in every layer with ``config.shared_draw``).
 
     OPRF and rebalanced maps are calibrated per call on the real queries and keys.
 
@@ -183,7 +188,7 @@ def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
                 config.num_features,
                 kind=config.kind,  # type: ignore[arg-type]
                 rebalance=config.rebalance,
-                seed=seed + layer,
+                seed=seed if config.shared_draw else seed + layer,
             )
         return maps[layer]
 
