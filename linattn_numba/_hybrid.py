@@ -9,7 +9,10 @@ per block of tokens it computes the queries' and the lagged keys' features
 (:func:`linattn_numba.cpu._log_features`), runs each chunk of the far part
 (:func:`linattn_numba.cpu._chunk_forward`, which leaves the rows ``[num | den]`` and
 their log-scale), then, per query, the exact logits of its window and of the sinks it
-sees (invisible keys *skipped*, as in :mod:`linattn_numba._window`), and merges the two
+sees (invisible keys *skipped*, as in :mod:`linattn_numba._window`; windows of
+:data:`BLOCKED_SPAN` keys or more as two products per chunk, the chunk's logits against its
+band of keys and the selected weights times the band's values, invisible keys' values
+zeroed first), and merges the two
 partials as online softmax does before normalising.  No ``L x m`` array and no
 ``L``-long intermediate exists; the random-feature state after the far keys is the
 result's ``(kv, log_shift)``.
@@ -52,6 +55,10 @@ from linattn_numba._window import _shift
 __all__ = ["causal_forward"]
 
 _jit = _machinery.jit
+
+#: Windows of at least this many keys run as two products per chunk (logits against the
+#: chunk's band of keys, weights times its values); smaller ones as direct loops.
+BLOCKED_SPAN = 16
 
 
 @_jit(fastmath=frozenset({"contract", "reassoc"}))
@@ -121,6 +128,62 @@ def _add_row(row, p, values, j):
 
 
 @_jit()
+def _exact_chunk(
+    q, k, v, keep, sinks, sink_values, visible, t0, t1, span, consts, logit_buffer,
+    weight_buffer, sink_weights, band_values, tops, rows,
+):  # fmt: skip
+    """:func:`_exact_rows` for queries ``t0 .. t1 - 1`` whose windows lie in the call's keys
+    (``t0 >= span - 1``), as two products: the chunk's logits against its band of keys
+    ``k[t0 + 1 - span .. t1 - 1]``, and the selected weights times the band's values (the
+    invisible keys' values zeroed first, so that nothing they hold reaches a row)."""
+    c, dv, count = t1 - t0, v.shape[1], sinks.shape[0]
+    zero, scale = consts[0], consts[2]
+    first = t0 + 1 - span  # k row of band column 0
+    width = c + span - 1
+    logits = logit_buffer[: c * width].reshape((c, width))
+    weights = weight_buffer[: c * width].reshape((c, width))
+    np.dot(q[t0:t1], k[first : first + width].T, logits)
+    for j in range(width):
+        if keep[span + first + j]:
+            for e in range(dv):
+                band_values[j, e] = v[first + j, e]
+            band_values[j, dv] = 1
+        else:
+            for e in range(dv + 1):
+                band_values[j, e] = zero
+    for i in range(c):
+        top = consts[1]
+        for o in range(span):  # query t0 + i, key E[t0 + i + 1 + o] = band column i + o
+            j = i + o
+            logit = consts[1]
+            if keep[span + first + j]:
+                logit = logits[i, j] * scale
+                if logit > top or logit != logit:
+                    top = logit
+            logits[i, j] = logit
+        for j in range(count):
+            logit = consts[1]
+            if visible[t0 + i, j]:
+                logit = _dot_rows(q, t0 + i, sinks, j, zero) * scale
+                if logit > top or logit != logit:
+                    top = logit
+            sink_weights[i, j] = logit
+        tops[i] = top
+        shift = _shift(top, zero)
+        for j in range(width):
+            weights[i, j] = zero
+        for o in range(span):
+            weights[i, i + o] = cpu.fast_exp(logits[i, i + o] - shift)
+        for j in range(count):
+            sink_weights[i, j] = cpu.fast_exp(sink_weights[i, j] - shift)
+    np.dot(weights, band_values[:width], rows[:c])
+    for i in range(c):
+        for j in range(count):
+            if visible[t0 + i, j]:
+                _add_row(rows[i], sink_weights[i, j], sink_values, j)
+
+
+@_jit()
 def _merge_into(far, i, far_scale, row, top, zero, out, t):
     """``out[t] = (a far[i] + b row)[:d_v] / (a far[i] + b row)[d_v]``, ``a, b`` the two
     partials' scales against their maximum (online softmax); ``0`` where nothing is seen."""
@@ -161,6 +224,14 @@ def _forward(
         far_scale = np.empty(chunk, dtype)
         scratch = np.empty(span + sinks.shape[1], dtype)
         row = np.empty(dv + 1, dtype)
+        blocked = span >= BLOCKED_SPAN
+        width = chunk + span - 1 if blocked else 0
+        logits = np.empty(chunk * width, dtype)
+        weights = np.empty(chunk * width, dtype)
+        sink_weights = np.empty((chunk, sinks.shape[1]), dtype)
+        band_values = np.empty((width, dv + 1), dtype)
+        tops = np.empty(chunk, dtype)
+        exact = np.empty((chunk, dv + 1), dtype)
         qb, kb, vb, keepb, outb = q[b], k[b], v[b], keep[b], out[b]
         rb, rvb = recent[b], recent_values[b]
         sb, svb, visb = sinks[b], sink_values[b], visible[b]
@@ -194,8 +265,20 @@ def _forward(
                     lq[t0:t1], lk[t0:t1], va[t0:t1], kv[b], mu[b], far[:c], work, square,
                     vecs, state_out, product, far_scale[:c],
                 )  # fmt: skip
+                g0 = s0 + t0
+                if span >= BLOCKED_SPAN and g0 >= span - 1:
+                    _exact_chunk(
+                        qb, kb, vb, keepb, sb, svb, visb, g0, g0 + c, span, window_consts,
+                        logits, weights, sink_weights, band_values, tops, exact,
+                    )  # fmt: skip
+                    for i in range(c):
+                        _merge_into(
+                            far, i, far_scale[i], exact[i], tops[i], window_consts[0], outb,
+                            g0 + i,
+                        )  # fmt: skip
+                    continue
                 for i in range(c):
-                    t = s0 + t0 + i
+                    t = g0 + i
                     top = _exact_rows(
                         qb, kb, vb, rb, rvb, keepb, sb, svb, visb, t, span, window_consts,
                         scratch, row,

@@ -41,7 +41,7 @@ def _launches() -> int:
 
 
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
-@pytest.mark.parametrize(("window", "sinks"), [(5, 3), (40, 0), (None, 4), (1, 1)])
+@pytest.mark.parametrize(("window", "sinks"), [(5, 3), (40, 0), (40, 2), (None, 4), (1, 1)])
 def test_kernel_equals_the_portable_parts(kind: str, window: int | None, sinks: int) -> None:
     q, k, v, mask = _inputs()
     fm = la.FeatureMap(D, 16, kind=kind, seed=1)
@@ -57,20 +57,23 @@ def test_kernel_equals_the_portable_parts(kind: str, window: int | None, sinks: 
     np.testing.assert_allclose(got32, got, **FLOAT32)
 
 
-def test_whole_equals_pieces_and_tokens_and_any_chunk() -> None:
+@pytest.mark.parametrize("window", [6, _hybrid.BLOCKED_SPAN + 4])
+def test_whole_equals_pieces_and_tokens_and_any_chunk(window: int) -> None:
     q, k, v, mask = _inputs(seed=1)
     fm = la.FeatureMap(D, 16, seed=2)
     whole, state = la.linear_attention(
-        q, k, v, fm, key_mask=mask, return_state=True, **_options(6, 2)
+        q, k, v, fm, key_mask=mask, return_state=True, **_options(window, 2)
     )
-    other_chunk = la.linear_attention(q, k, v, fm, key_mask=mask, **_options(6, 2, chunk_size=7))
+    other_chunk = la.linear_attention(
+        q, k, v, fm, key_mask=mask, **_options(window, 2, chunk_size=7)
+    )
     np.testing.assert_allclose(other_chunk, whole, **FLOAT64)
     pieces, piece_state = [], None
     for start, stop in ((0, 1), (1, 40), (40, 41), (41, LENGTH)):  # tokens and pieces
         out, piece_state = la.linear_attention(
             q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :], fm,
             key_mask=mask[..., start:stop], state=piece_state, return_state=True,
-            **_options(6, 2),
+            **_options(window, 2),
         )  # fmt: skip
         pieces.append(out)
     np.testing.assert_allclose(np.concatenate(pieces, axis=-2), whole, **FLOAT64)
@@ -78,24 +81,26 @@ def test_whole_equals_pieces_and_tokens_and_any_chunk() -> None:
     np.testing.assert_allclose(piece_state.log_shift, state.log_shift, **FLOAT64)
 
 
-def test_masked_keys_never_reach_a_row() -> None:
+@pytest.mark.parametrize("window", [5, _hybrid.BLOCKED_SPAN + 3])  # direct loops; products
+def test_masked_keys_never_reach_a_row(window: int) -> None:
     q, k, v, mask = _inputs(seed=3)
     fm = la.FeatureMap(D, 16, seed=3)
-    clean = la.linear_attention(q, k, v, fm, key_mask=mask, **_options(5, 3))
+    clean = la.linear_attention(q, k, v, fm, key_mask=mask, **_options(window, 3))
     hidden = np.broadcast_to(~mask, k.shape[:-1])
     bad_k, bad_v = k.copy(), v.copy()
     bad_k[hidden], bad_v[hidden] = np.nan, np.inf
-    dirty = la.linear_attention(q, bad_k, bad_v, fm, key_mask=mask, **_options(5, 3))
+    dirty = la.linear_attention(q, bad_k, bad_v, fm, key_mask=mask, **_options(window, 3))
     assert np.array_equal(dirty, clean)
 
 
-def test_serial_and_parallel_variants_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("window", [5, _hybrid.BLOCKED_SPAN + 3])
+def test_serial_and_parallel_variants_agree(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
     q, k, v, mask = _inputs(seed=4)
     fm = la.FeatureMap(D, 16, seed=4)
     results = []
     for variant in ("serial", "parallel"):
         monkeypatch.setattr(_hybrid._machinery, "choose_variant", lambda *_, v=variant: v)
-        results.append(la.linear_attention(q, k, v, fm, key_mask=mask, **_options(5, 3)))
+        results.append(la.linear_attention(q, k, v, fm, key_mask=mask, **_options(window, 3)))
     assert np.array_equal(results[0], results[1])
 
 
