@@ -77,7 +77,8 @@ class Plan:
         Why this path, in words (the backend asked for, what a kernel lacks).
     fused : bool
         The fused CPU pass computes features and attention in one go (no ``L x m``
-        array): NumPy arrays, positive or hyperbolic features, no rebalancing.
+        array): NumPy arrays and torch CPU tensors, positive or hyperbolic features, no
+        rebalancing.
     tokens_per_pass : int or None
         The batched chunk pass runs over groups of about this many tokens (eager CPU
         arrays); ``None`` is one pass over the whole sequence.
@@ -243,8 +244,12 @@ def _tokens_per_pass(x: Array) -> int | None:
 
 
 def _fused(x: Array, feature_map: FeatureMap | None) -> bool:
-    """The fused CPU pass takes NumPy arrays and the maps of :func:`fused_map`."""
-    return feature_map is not None and _library(x) == "numpy" and fused_map(feature_map)
+    """The fused CPU pass takes NumPy arrays, torch CPU tensors (differentiable through
+    the fused backward, ``linattn::causal_fused_backward``) and the maps of
+    :func:`fused_map`."""
+    library = _library(x)
+    on_cpu = library == "numpy" or (library == "torch" and x.device.type == "cpu")
+    return feature_map is not None and on_cpu and fused_map(feature_map)
 
 
 def fused_map(feature_map: FeatureMap | None) -> bool:
@@ -313,11 +318,26 @@ def fused_causal(
 
     Returns ``(outputs, kv, log_shift)`` with outputs normalised, in the compute dtype
     (and each output's log-normaliser when asked, for merging partials); it never holds
-    an ``L x m`` feature array (the path for long sequences).
+    an ``L x m`` feature array (the path for long sequences).  Torch CPU tensors run
+    the same kernel through ``linattn::causal_fused_forward`` and differentiate through
+    ``linattn::causal_fused_backward`` (outputs, final state and log-normaliser).
     """
+    assert feature_map.projection is not None
+    if _library(q) == "torch":
+        import torch
+
+        from linattn_numba import _torch
+
+        # (a float64 copy: the map's is read-only, and NumPy's pass scales it in float64)
+        projection = torch.tensor(feature_map.projection)
+        hyperbolic = feature_map.kind == "hyperbolic"
+        results = _torch.causal_fused(
+            q, k, v, projection, key_mask, kv, log_shift, hyperbolic, feature_map.scale,
+            chunk_size,
+        )  # fmt: skip
+        return results if return_log_normaliser else results[:3]
     from linattn_numba import cpu
 
-    assert feature_map.projection is not None
     return cpu.favor_causal(
         q,
         k,
