@@ -328,8 +328,13 @@ def fused_causal(
 
         from linattn_numba import _torch
 
-        # (a float64 copy: the map's is read-only, and NumPy's pass scales it in float64)
-        projection = torch.tensor(feature_map.projection)
+        # A float64 copy (the map's array is read-only; NumPy's pass scales it in float64
+        # too); while compiling, the array is already a (fake) tensor to Dynamo.
+        projection = (
+            torch.as_tensor(feature_map.projection)
+            if torch.compiler.is_compiling()
+            else torch.tensor(feature_map.projection)
+        )
         hyperbolic = feature_map.kind == "hyperbolic"
         results = _torch.causal_fused(
             q, k, v, projection, key_mask, kv, log_shift, hyperbolic, feature_map.scale,
