@@ -358,6 +358,65 @@ def fused_causal(
     )
 
 
+def fused_causal_vjp(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    key_mask: Array | None,
+    grad_output: Array,
+    *,
+    chunk_size: int,
+) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of causal attention (no incoming state) by the fused forward and
+    backward passes (``plan.fused``; :mod:`linattn_numba._fused_causal`): no ``L x m``
+    array; over the broadcast batch shape, in the compute dtype.  Torch CPU tensors are
+    read as NumPy views and the results wrapped without copies."""
+    from linattn_numba import _fused_causal
+
+    arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
+    torch_in = _library(q) == "torch"
+    if torch_in:
+        arrays = tuple(None if x is None else x.detach().numpy() for x in arrays)
+    q, k, v, key_mask, grad_output = arrays
+    projection, hyperbolic = _fused_map(feature_map)
+    batch = _broadcast_batch(q, k, v, key_mask)
+    m, dv = feature_map.num_features, v.shape[-1]
+    dtype = grad_output.dtype
+    kv = _zeros_state(batch, m, dv, dtype)
+    log_shift = _empty_shift(batch, m, dtype)
+    options: dict[str, Any] = {"hyperbolic": hyperbolic, "scale": feature_map.scale}
+    options.update(key_mask=key_mask, chunk_size=chunk_size)
+    out, _, _, _ = _fused_causal.forward(q, k, v, projection, kv, log_shift, **options)
+    grads: tuple[Any, ...] = _fused_causal.backward(
+        q, k, v, projection, kv, log_shift, out, grad_output, **options
+    )
+    if torch_in:
+        import torch
+
+        grads = tuple(torch.from_numpy(g) for g in grads)
+    return grads[0], grads[1], grads[2]
+
+
+def _broadcast_batch(q: Any, k: Any, v: Any, key_mask: Any) -> tuple[int, ...]:
+    import numpy as np
+
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+    return tuple(np.broadcast_shapes(*shapes, *([] if key_mask is None else [key_mask.shape[:-1]])))
+
+
+def _zeros_state(batch: tuple[int, ...], m: int, dv: int, dtype: Any) -> Any:
+    import numpy as np
+
+    return np.broadcast_to(np.zeros((), dtype), (*batch, m, dv + 1))  # (no memory)
+
+
+def _empty_shift(batch: tuple[int, ...], m: int, dtype: Any) -> Any:
+    import numpy as np
+
+    return np.broadcast_to(np.full((), -np.inf, dtype), (*batch, m))
+
+
 # -- bidirectional attention ------------------------------------------------------------
 
 
