@@ -402,7 +402,8 @@ def _broadcast_batch(q: Any, k: Any, v: Any, key_mask: Any) -> tuple[int, ...]:
     import numpy as np
 
     shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
-    return tuple(np.broadcast_shapes(*shapes, *([] if key_mask is None else [key_mask.shape[:-1]])))
+    shapes += [] if key_mask is None else [key_mask.shape[:-1]]
+    return tuple(np.broadcast_shapes(*shapes))
 
 
 def _zeros_state(batch: tuple[int, ...], m: int, dv: int, dtype: Any) -> Any:

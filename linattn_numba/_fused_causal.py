@@ -254,9 +254,8 @@ class _CausalCall(_Call):
             if not np.issubdtype(x.dtype, np.floating):
                 raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
             lead = x.shape[: x.ndim - len(tail)]
-            if x.ndim < len(tail) or x.shape[-len(tail) :] != tail or not _broadcasts(
-                lead, self.batch
-            ):
+            fits = x.ndim >= len(tail) and x.shape[x.ndim - len(tail) :] == tail
+            if not (fits and _broadcasts(lead, self.batch)):
                 raise ValueError(
                     f"{name} must have shape (*batch, {', '.join(map(str, tail))}) with batch "
                     f"axes that broadcast to {self.batch}; got {x.shape}"
@@ -333,8 +332,7 @@ def forward(
     out = np.empty((call.n, call.length, call.dv), call.dtype)
     lse = np.empty((call.n, call.length), call.dtype)
     with _machinery.single_threaded_blas():
-        _forward_fused.run(call.variant, call.q, call.k, call.v, call.mask, call.projection,
-                           call.consts, call.hyperbolic, state, mu, call.chunk, out, lse)  # fmt: skip
+        _forward_fused.run(call.variant, *call.operands(), state, mu, call.chunk, out, lse)
     results = call.shaped_results(out, state, mu, lse)
     return results[0], results[1], results[2], results[3]
 

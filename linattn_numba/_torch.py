@@ -60,11 +60,11 @@ __all__ = [
     "bidirectional_forward",
     "causal",
     "causal_backward",
+    "causal_forward",
+    "causal_forward_scaled",
     "causal_fused",
     "causal_fused_backward",
     "causal_fused_forward",
-    "causal_forward",
-    "causal_forward_scaled",
 ]
 
 #: The operators' namespace: ``torch.ops.linattn.*``.
@@ -485,8 +485,8 @@ def causal_fused(
     chunk = _contract.check_chunk_size(chunk_size)  # (the operator takes a Python int)
     args = (q, k, v, projection, key_mask, kv, log_shift, bool(hyperbolic), float(scale), chunk)
     if torch.compiler.is_compiling():
-        return torch.ops.linattn.causal_fused_forward(*args)  # type: ignore[no-any-return]
-    return _CausalFused.apply(*args)  # type: ignore[no-any-return]
+        return torch.ops.linattn.causal_fused_forward(*args)  # opaque to it
+    return _CausalFused.apply(*args)  # (the same, as torch.func needs it)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::causal_fused_forward", mutates_args=(), device_types="cpu")

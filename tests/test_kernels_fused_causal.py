@@ -88,8 +88,8 @@ def unfused(q, k, v, fm, mask, kv, mu, chunk, g, g_lse, g_kv) -> tuple:
     d_rows = np.concatenate([g / safe, (g_lse[..., None] - (g * out).sum(-1, keepdims=True))
                              / safe], axis=-1) * (den != 0)  # fmt: skip
     d_lq, d_lk, d_va, d_kv = cpu.numpy_backward(lq, lk, va, kv, mu, chunk, d_rows, g_kv)
-    dq = fm.log_features_vjp(np.broadcast_to(q, lq.shape[:-1] + (16,)), d_lq)
-    dk = fm.log_features_vjp(np.broadcast_to(k, lk.shape[:-1] + (16,)), d_lk)
+    dq = fm.log_features_vjp(np.broadcast_to(q, (*lq.shape[:-1], 16)), d_lq)
+    dk = fm.log_features_vjp(np.broadcast_to(k, (*lk.shape[:-1], 16)), d_lk)
     if mask is not None:
         dk = np.where(mask[..., None], dk, 0.0)
     return (out, kv_out, mu_out, lse), (dq, dk, d_va[..., :-1], d_kv)
@@ -109,7 +109,7 @@ def test_forward_and_backward_equal_unfused_kernels(case: tuple, kind: str, dtyp
     results = fc.forward(q, k, v, fm.projection, kv, mu, **options(fm, mask, chunk))
     favor = cpu.favor_causal(q, k, v, fm.projection, kv=kv, log_shift=mu,
                              return_log_normaliser=True, **options(fm, mask, chunk))  # fmt: skip
-    for a, b, e in zip(results, favor, expected, strict=True):
+    for a, b in zip(results, favor, strict=True):
         assert a.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(a, b)  # the same kernel as favor_causal
     row_close(results[0], expected[0], RTOL[dtype])
@@ -161,7 +161,7 @@ def test_backward_equals_finite_differences() -> None:
         np.testing.assert_array_equal(shift, mu_out)
         return float((g * out).sum() + (g_lse * lse).sum() + (g_kv * kv_out).sum())
 
-    out, kv_out, mu_out, _ = fc.forward(q, k, v, fm.projection, kv, mu, **opts)
+    out, _, mu_out, _ = fc.forward(q, k, v, fm.projection, kv, mu, **opts)
     grads = fc.backward(q, k, v, fm.projection, kv, mu, out, g, grad_log_normaliser=g_lse,
                         grad_kv=g_kv, **opts)  # fmt: skip
     eps = 1e-6
@@ -243,7 +243,7 @@ def test_inputs_are_not_modified() -> None:
 def test_no_tokens_pass_the_state_through() -> None:
     q, w = np.zeros((2, 0, 4)), np.ones((3, 4))
     kv, mu = np.ones((2, 3, 5)), np.zeros((2, 3))
-    out, kv_out, mu_out, lse = fc.forward(q, q, q, w, kv, mu, hyperbolic=False, scale=1.0)
+    out, kv_out, _, lse = fc.forward(q, q, q, w, kv, mu, hyperbolic=False, scale=1.0)
     assert out.shape == (2, 0, 4) and lse.shape == (2, 0)
     np.testing.assert_array_equal(kv_out, kv)
     grads = fc.backward(q, q, q, w, kv, mu, out, out, hyperbolic=False, scale=1.0, grad_kv=kv)
@@ -274,8 +274,9 @@ def bad_calls() -> list:
 def test_bad_inputs_raise_before_the_kernel(index: int) -> None:
     change, error, message = bad_calls()[index]
     q = np.zeros((2, 5, 4))
-    args = {"q": q, "k": q, "v": q, "projection": np.zeros((3, 4)), "kv": np.zeros((2, 3, 5)),
-            "log_shift": np.zeros((2, 3)), "hyperbolic": False, "scale": 1.0, **change}  # fmt: skip
+    state = {"kv": np.zeros((2, 3, 5)), "log_shift": np.zeros((2, 3))}
+    args = {"q": q, "k": q, "v": q, "projection": np.zeros((3, 4)), **state, "hyperbolic": False,
+            "scale": 1.0, **change}  # fmt: skip
     with pytest.raises(error, match=message):
         fc.forward(**args)
     good = {"outputs": np.zeros((2, 5, 4)), "grad_output": np.zeros((2, 5, 4))}
