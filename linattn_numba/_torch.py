@@ -236,8 +236,9 @@ def _no_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _no_double_backward(ctx: Any, *grads: Any) -> Any:
     raise NotImplementedError(
-        "second derivatives through the linattn Numba kernel (linattn::causal_backward) "
-        "are not supported; pass backend='array_api' to linattn for the portable path"
+        "second derivatives through the linattn Numba kernels (linattn::causal_backward and "
+        "the fused backward operators) are not supported; pass backend='array_api' to "
+        "linattn for the portable path"
     )
 
 
