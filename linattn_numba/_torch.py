@@ -471,8 +471,8 @@ def causal_fused(
     >>> out[0, :, 0].tolist()  # equal features: a running mean
     [0.0, 1.0, 2.0]
     >>> out[..., 0].sum().backward()
-    >>> v.grad[0, :, 0].tolist()  # value t reaches outputs t.. with weights 1/(s + 1)
-    [1.8333332538604736, 0.8333333730697632, 0.3333333432674255]
+    >>> [round(g, 6) for g in v.grad[0, :, 0].tolist()]  # value t reaches outputs s >= t
+    [1.833333, 0.833333, 0.333333]
     """
     for name, x in zip(
         CAUSAL_FUSED_INPUTS, (q, k, v, projection, key_mask, kv, log_shift), strict=True
