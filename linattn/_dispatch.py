@@ -371,7 +371,17 @@ def fused_causal_vjp(
     """``(dq, dk, dv)`` of causal attention (no incoming state) by the fused forward and
     backward passes (``plan.fused``; :mod:`linattn_numba._fused_causal`): no ``L x m``
     array; over the broadcast batch shape, in the compute dtype.  Torch CPU tensors are
-    read as NumPy views and the results wrapped without copies."""
+    read as NumPy views and the results wrapped without copies.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> x, g = np.zeros((1, 4, 8)), np.ones((1, 4, 8))  # equal features: running means
+    >>> dq, dk, dv = fused_causal_vjp(x, x, x, la.FeatureMap(8, 16), None, g, chunk_size=2)
+    >>> dv[0, :, 0].round(4).tolist()  # value t reaches outputs s >= t, weight 1 / (s + 1)
+    [2.0833, 1.0833, 0.5833, 0.25]
+    """
     from linattn_numba import _fused_causal
 
     arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
