@@ -86,7 +86,8 @@ class Plan:
         Why this path, in words (the backend asked for, what a kernel lacks).
     fused : bool
         The fused CPU pass computes features and attention in one go (no ``L x m``
-        array): NumPy arrays, positive or hyperbolic features, no rebalancing.
+        array): NumPy arrays and torch CPU tensors, positive or hyperbolic features, no
+        rebalancing.
     tokens_per_pass : int or None
         The batched chunk pass runs over groups of about this many tokens (eager CPU
         arrays); ``None`` is one pass over the whole sequence.
@@ -252,8 +253,12 @@ def _tokens_per_pass(x: Array) -> int | None:
 
 
 def _fused(x: Array, feature_map: FeatureMap | None) -> bool:
-    """The fused CPU pass takes NumPy arrays and the maps of :func:`fused_map`."""
-    return feature_map is not None and _library(x) == "numpy" and fused_map(feature_map)
+    """The fused CPU pass takes NumPy arrays, torch CPU tensors (differentiable through
+    the fused backward, ``linattn::causal_fused_backward``) and the maps of
+    :func:`fused_map`."""
+    library = _library(x)
+    on_cpu = library == "numpy" or (library == "torch" and x.device.type == "cpu")
+    return feature_map is not None and on_cpu and fused_map(feature_map)
 
 
 def fused_map(feature_map: FeatureMap | None) -> bool:
@@ -332,11 +337,31 @@ def fused_causal(
 
     Returns ``(outputs, kv, log_shift)`` with outputs normalised, in the compute dtype
     (and each output's log-normaliser when asked, for merging partials); it never holds
-    an ``L x m`` feature array (the path for long sequences).
+    an ``L x m`` feature array (the path for long sequences).  Torch CPU tensors run
+    the same kernel through ``linattn::causal_fused_forward`` and differentiate through
+    ``linattn::causal_fused_backward`` (outputs, final state and log-normaliser).
     """
+    assert feature_map.projection is not None
+    if _library(q) == "torch":
+        import torch
+
+        from linattn_numba import _torch
+
+        # A float64 copy (the map's array is read-only; NumPy's pass scales it in float64
+        # too); while compiling, the array is already a (fake) tensor to Dynamo.
+        projection = (
+            torch.as_tensor(feature_map.projection)
+            if torch.compiler.is_compiling()
+            else torch.tensor(feature_map.projection)
+        )
+        hyperbolic = feature_map.kind == "hyperbolic"
+        results = _torch.causal_fused(
+            q, k, v, projection, key_mask, kv, log_shift, hyperbolic, feature_map.scale,
+            chunk_size,
+        )  # fmt: skip
+        return results if return_log_normaliser else results[:3]
     from linattn_numba import cpu
 
-    assert feature_map.projection is not None
     return cpu.favor_causal(
         q,
         k,
@@ -350,6 +375,76 @@ def fused_causal(
         chunk_size=chunk_size,
         return_log_normaliser=return_log_normaliser,
     )
+
+
+def fused_causal_vjp(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    key_mask: Array | None,
+    grad_output: Array,
+    *,
+    chunk_size: int,
+) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of causal attention (no incoming state) by the fused forward and
+    backward passes (``plan.fused``; :mod:`linattn_numba._fused_causal`): no ``L x m``
+    array; over the broadcast batch shape, in the compute dtype.  Torch CPU tensors are
+    read as NumPy views and the results wrapped without copies.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> x, g = np.zeros((1, 4, 8)), np.ones((1, 4, 8))  # equal features: running means
+    >>> dq, dk, dv = fused_causal_vjp(x, x, x, la.FeatureMap(8, 16), None, g, chunk_size=2)
+    >>> dv[0, :, 0].round(4).tolist()  # value t reaches outputs s >= t, weight 1 / (s + 1)
+    [2.0833, 1.0833, 0.5833, 0.25]
+    """
+    from linattn_numba import _fused_causal
+
+    arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
+    torch_in = _library(q) == "torch"
+    if torch_in:
+        arrays = tuple(None if x is None else x.detach().numpy() for x in arrays)
+    q, k, v, key_mask, grad_output = arrays
+    projection, hyperbolic = _fused_map(feature_map)
+    batch = _broadcast_batch(q, k, v, key_mask)
+    m, dv = feature_map.num_features, v.shape[-1]
+    dtype = grad_output.dtype
+    kv = _zeros_state(batch, m, dv, dtype)
+    log_shift = _empty_shift(batch, m, dtype)
+    options: dict[str, Any] = {"hyperbolic": hyperbolic, "scale": feature_map.scale}
+    options.update(key_mask=key_mask, chunk_size=chunk_size)
+    out, _, _, _ = _fused_causal.forward(q, k, v, projection, kv, log_shift, **options)
+    grads: tuple[Any, ...] = _fused_causal.backward(
+        q, k, v, projection, kv, log_shift, out, grad_output, **options
+    )
+    if torch_in:
+        import torch
+
+        grads = tuple(torch.from_numpy(g) for g in grads)
+    return grads[0], grads[1], grads[2]
+
+
+def _broadcast_batch(q: Any, k: Any, v: Any, key_mask: Any) -> tuple[int, ...]:
+    import numpy as np
+
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+    shapes += [] if key_mask is None else [key_mask.shape[:-1]]
+    return tuple(np.broadcast_shapes(*shapes))
+
+
+def _zeros_state(batch: tuple[int, ...], m: int, dv: int, dtype: Any) -> Any:
+    import numpy as np
+
+    return np.broadcast_to(np.zeros((), dtype), (*batch, m, dv + 1))  # (no memory)
+
+
+def _empty_shift(batch: tuple[int, ...], m: int, dtype: Any) -> Any:
+    import numpy as np
+
+    return np.broadcast_to(np.full((), -np.inf, dtype), (*batch, m))
 
 
 # -- bidirectional attention ------------------------------------------------------------

@@ -142,6 +142,18 @@ def linear_attention_vjp(
             _sum_to(xp, dk, tuple(k.shape), k.dtype),
             _sum_to(xp, d_values, tuple(v.shape), v.dtype),
         )
+    if causal and plan.fused:
+        # The fused causal passes: features recomputed chunk by chunk, no L x m array.
+        dq, dk, d_values = _dispatch.fused_causal_vjp(
+            q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False),
+            chunk_size=chunk_size,
+        )  # fmt: skip
+        q, k, v = inputs  # gradients in the callers' dtypes
+        return (
+            _sum_to(xp, dq, tuple(q.shape), q.dtype),
+            _sum_to(xp, dk, tuple(k.shape), k.dtype),
+            _sum_to(xp, d_values, tuple(v.shape), v.dtype),
+        )
     log_phi_q, sign_q, log_phi_k, sign_k, values_aug = attention_operands(
         q, k, v, feature_map, info, batch, key_mask, work, statistics
     )

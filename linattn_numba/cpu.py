@@ -470,22 +470,42 @@ def _chunk_backward(
 ):
     """Gradients of one chunk given the states before (``kv``, ``mu``) and after
     (``mu_next``) it and ``dS`` after it; updates ``ds`` to ``dS`` before it."""
+    _chunk_backward_factors(lq, lk, mu, mu_next, rows, vecs, square)
+    _chunk_backward_grads(va, dout, kv, ds, dlq, dlk, dva, rows, vecs, square, scaled, product)
+
+
+@_jit()
+def _chunk_backward_factors(lq, lk, mu, mu_next, rows, vecs, square):
+    """The forward's factors of one chunk, as :func:`_chunk_backward` needs them: ``u``,
+    ``psi``, ``phi`` (``rows[0, 1, 4]``), the shifts and weights (``vecs``) and the
+    masked ``intra = (u psi^T) * weights`` (``square[1]``; ``weights`` in ``square[0]``)."""
     c, m = lq.shape
-    d = va.shape[1]
-    u, psi, du, dpsi, phi = rows[0][:c], rows[1][:c], rows[2][:c], rows[3][:c], rows[4][:c]
+    u, psi, phi = rows[0][:c], rows[1][:c], rows[4][:c]
     ms, decay, shift = vecs[0][:m], vecs[1][:m], vecs[2][:m]
     g, run, w, fq = vecs[3][:c], vecs[4][:c], vecs[5][:c], vecs[7][:c]
     weights = square[0][: c * c].reshape(c, c)
     intra = square[1][: c * c].reshape(c, c)
-    paired = square[2][: c * c].reshape(c, c)
-    scaled = scaled[:c]
     has_state = _safe_shift(mu, ms)
     _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq)
     full = _shift_between(mu, mu_next, ms, shift, decay)
     _key_features(lk, shift, decay, psi, g, full, phi)
     np.dot(u, psi.T, intra)
-    np.dot(dout, va.T, paired)
     _mask_later_keys(intra, weights)
+
+
+@_jit()
+def _chunk_backward_grads(va, dout, kv, ds, dlq, dlk, dva, rows, vecs, square, scaled, product):
+    """The rest of :func:`_chunk_backward`, after :func:`_chunk_backward_factors`."""
+    c, d = va.shape
+    m = kv.shape[0]
+    u, psi, du, dpsi, phi = rows[0][:c], rows[1][:c], rows[2][:c], rows[3][:c], rows[4][:c]
+    decay = vecs[1][:m]
+    w = vecs[5][:c]
+    weights = square[0][: c * c].reshape(c, c)
+    intra = square[1][: c * c].reshape(c, c)
+    paired = square[2][: c * c].reshape(c, c)
+    scaled = scaled[:c]
+    np.dot(dout, va.T, paired)
     _mask_later_keys(paired, weights)
     # d l(q) = u * (w dO S^T + P psi), P = (dO [V|1]^T) * weights
     np.dot(dout, kv.T, du)

@@ -233,7 +233,8 @@ def test_torch_func_vjp_equals_the_array_api_path() -> None:
 
 def test_vmap_raises_not_implemented_naming_linattn() -> None:
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match="vmap over linattn::causal_forward"):
+    # (FM's kind is computed in the fused pass: its operator is the one called)
+    with pytest.raises(NotImplementedError, match="vmap over linattn::causal_fused_forward"):
         torch.func.vmap(lambda q: la.linear_attention(q, k[0], v[0], FM, causal=True))(q)
 
 

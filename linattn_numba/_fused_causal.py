@@ -1,0 +1,413 @@
+"""The fused causal FAVOR+ pass, checked, and its backward: no ``L x m`` array either way.
+
+The forward is :func:`linattn_numba.cpu.favor_causal`'s kernel (``_forward_fused``);
+:func:`forward` runs it after checking every argument (what the torch operators of
+:mod:`linattn_numba._torch` need: they are callable by anyone), and always returns the
+log-normaliser.  :func:`backward` gives the gradients of the normalised outputs, the
+log-normaliser and the final state with respect to ``q``, ``k``, ``v`` and the incoming
+state, every stabiliser held constant (exact: the module docstring of
+:mod:`linattn_numba.cpu`).  It is ``numpy_backward``'s algorithm (``_head_backward``:
+states checkpointed per segment and recomputed forward, never rebuilt by subtraction,
+then a reverse scan of ``dS``) with the features recomputed chunk by chunk from ``q``
+and ``k``:
+
+* per chunk, the forward's factors ``u``, ``psi``, ``phi`` and weights
+  (``cpu._chunk_backward_factors``); from them the stabilised denominators ``D_t`` the
+  forward divided by, and the cotangent of the unnormalised rows
+  ``A_t = [g_t / D_t, (g^lse_t - g_t . o_t) / D_t]`` (0 where ``D_t = 0``: a row that sees
+  no key);
+* the chunk's log-feature gradients ``d l(q)``, ``d l(k)``, ``d [v | 1]`` and ``dS``
+  before it (``cpu._chunk_backward_grads``);
+* through the feature map (``_bidirectional._features_vjp``):
+  ``dx = (d_+ - d_-) P - s x sum_r d_r`` with ``P`` the projection times ``sqrt(s)``.
+
+Masked keys get zero gradients; the incoming state's gradient is that of the state
+``S`` it holds (``d log_shift = sum_e dS * S`` is the torch operator's business).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+from numba import prange
+
+from linattn_numba import _contract, _machinery
+from linattn_numba._bidirectional import _Call, _features_vjp, _key_block
+from linattn_numba.cpu import (
+    STORE_BYTES,
+    _absorb,
+    _backward_workspace,
+    _chunk,
+    _chunk_backward_factors,
+    _chunk_backward_grads,
+    _forward_fused,
+    _fresh,
+    _log_features,
+    _running_max,
+    _safe_shift,
+    _without_empty_rows,
+)
+
+__all__ = ["backward", "forward"]
+
+_jit = _machinery.jit
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+
+@_jit()
+def _row_cotangents(u, kv, w, intra, va, out, grad, grad_lse, dout):
+    """``dout = A`` for one chunk (``grad_lse`` empty: no log-normaliser cotangent).
+
+    ``D_t = w_t u_t . S[:, d_v] + sum_{j <= t} intra_tj [v_j | 1]_{d_v}``: the forward's
+    stabilised denominator, from the same factors.
+    """
+    c, m = u.shape
+    dv = out.shape[1]
+    with_lse = grad_lse.shape[0] == c
+    for i in range(c):
+        den = u[i, 0] * kv[0, dv]
+        for r in range(1, m):
+            den += u[i, r] * kv[r, dv]
+        den *= w[i]
+        for j in range(i + 1):
+            den += intra[i, j] * va[j, dv]
+        if den == 0:
+            for e in range(dv + 1):
+                dout[i, e] = 0
+            continue
+        paired = grad[i, 0] - grad[i, 0]
+        for e in range(dv):
+            dout[i, e] = grad[i, e] / den
+            paired += grad[i, e] * out[i, e]
+        if with_lse:
+            paired -= grad_lse[i]
+        dout[i, dv] = -paired / den
+
+
+@_jit()
+def _features_workspace(chunk, m, rows, hyperbolic, width, dtype):
+    """Per worker: projection scratch, ``(lq, lk, dlq, dlk)`` and ``([v|1], A, d[v|1])``."""
+    return (
+        np.empty((chunk if hyperbolic else 0, rows), dtype),
+        np.empty((4, chunk, m), dtype),
+        np.empty((3, chunk, width), dtype),
+    )
+
+
+@_jit()
+def _chunk_grads(
+    q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, grad_lse, ds, dq, dk,
+    dv, work, fwork,
+):  # fmt: skip
+    """One chunk of the reverse scan: its features, ``A``, gradients; ``ds`` to before it."""
+    c = q.shape[0]
+    m = mu.shape[0]
+    rows, vecs, square, scaled, product = work
+    proj, feats, blocks = fwork
+    lq, lk, dlq, dlk = feats[0][:c], feats[1][:c], feats[2][:c], feats[3][:c]
+    va, dout, dva = blocks[0][:c], blocks[1][:c], blocks[2][:c]
+    top = vecs[6][:m]  # (unused by the chunk's factors)
+    _key_block(k, v, mask, projection, consts, hyperbolic, proj[:c], lk, va)
+    _log_features(q, projection, consts, hyperbolic, proj[:c], lq)
+    _running_max(lk, mu, top)  # mu after the chunk
+    _chunk_backward_factors(lq, lk, mu, top, rows, vecs, square)
+    intra = square[1][: c * c].reshape(c, c)
+    _row_cotangents(rows[0][:c], kv, vecs[5][:c], intra, va, out, grad, grad_lse, dout)
+    _chunk_backward_grads(va, dout, kv, ds, dlq, dlk, dva, rows, vecs, square, scaled, product)
+    _features_vjp(q, dlq, projection, consts, hyperbolic, proj[:c], dq)
+    _features_vjp(k, dlk, projection, consts, hyperbolic, proj[:c], dk)
+    width = dv.shape[1]
+    for j in range(c):
+        if mask[j]:
+            for e in range(width):
+                dv[j, e] = dva[j, e]
+        else:
+            for e in range(width):
+                dv[j, e] = 0
+            for e in range(dk.shape[1]):
+                dk[j, e] = 0
+
+
+@_jit()
+def _absorb_chunk(k, v, mask, projection, consts, hyperbolic, kv, mu, work, fwork):
+    """``(kv, mu)`` absorb one chunk of keys, their features recomputed."""
+    c = k.shape[0]
+    m = mu.shape[0]
+    rows, vecs, _, _, product = work
+    proj, feats, blocks = fwork
+    lk, va = feats[1][:c], blocks[0][:c]
+    ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
+    phi = rows[4]
+    _key_block(k, v, mask, projection, consts, hyperbolic, proj[:c], lk, va)
+    _safe_shift(mu, ms)
+    _absorb(lk, va, kv, mu, ms, phi[:c], top, shift, decay, product, phi, ms, False)
+
+
+@_jit()
+def _head_backward(
+    q, k, v, mask, projection, consts, hyperbolic, kv0, mu0, chunk, out, grad, grad_lse,
+    dkv_out, dq, dk, dv, dkv, seg_kv, seg_mu, check_kv, check_mu, work, fwork,
+):  # fmt: skip
+    """One head: ``cpu._head_backward`` with features recomputed per chunk."""
+    length = q.shape[0]
+    n_chunks = (length + chunk - 1) // chunk
+    per_segment = seg_kv.shape[0]
+    n_segments = (n_chunks + per_segment - 1) // per_segment
+    operands = (projection, consts, hyperbolic)
+    kv = check_kv[0]
+    mu = check_mu[0]
+    kv[:] = kv0
+    mu[:] = mu0
+    # Pass 1: states at segment starts (checkpoints); none needed for one segment.
+    for n in range((n_segments - 1) * per_segment):
+        t0, t1 = n * chunk, min(n * chunk + chunk, length)
+        if n % per_segment == 0:
+            s = n // per_segment
+            check_kv[s + 1] = check_kv[s]
+            check_mu[s + 1] = check_mu[s]
+            kv, mu = check_kv[s + 1], check_mu[s + 1]
+        _absorb_chunk(k[t0:t1], v[t0:t1], mask[t0:t1], *operands, kv, mu, work, fwork)
+    # Pass 2: segments last to first; recompute their states, then reverse-scan dS.
+    ds = dkv
+    ds[:] = dkv_out
+    with_lse = grad_lse.shape[0] == length
+    for s in range(n_segments - 1, -1, -1):
+        n0 = s * per_segment
+        n1 = min(n_chunks, n0 + per_segment)
+        seg_mu[0] = check_mu[s]
+        seg_kv[0] = check_kv[s]
+        for n in range(n0, n1 - 1):
+            t0, t1 = n * chunk, n * chunk + chunk
+            i = n - n0
+            seg_kv[i + 1] = seg_kv[i]
+            seg_mu[i + 1] = seg_mu[i]
+            _absorb_chunk(k[t0:t1], v[t0:t1], mask[t0:t1], *operands, seg_kv[i + 1],
+                          seg_mu[i + 1], work, fwork)  # fmt: skip
+        for n in range(n1 - 1, n0 - 1, -1):
+            t0, t1 = n * chunk, min(n * chunk + chunk, length)
+            i = n - n0
+            lse = grad_lse[t0:t1] if with_lse else grad_lse[0:0]
+            _chunk_grads(
+                q[t0:t1], k[t0:t1], v[t0:t1], mask[t0:t1], *operands, seg_kv[i], seg_mu[i],
+                out[t0:t1], grad[t0:t1], lse, ds, dq[t0:t1], dk[t0:t1], dv[t0:t1], work, fwork,
+            )  # fmt: skip
+
+
+@_machinery.Variants
+def _backward(
+    q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out, grad, grad_lse,
+    dkv_out, dq, dk, dv, dkv, seg_kv, seg_mu, check_kv, check_mu,
+):  # fmt: skip
+    """Heads in turn on each worker ``t`` (its own ``seg_*``/``check_*`` buffers)."""
+    batch, _, _ = q.shape
+    m, width = kv.shape[1], kv.shape[2]
+    workers = seg_kv.shape[0]
+    for t in prange(workers):
+        work = _backward_workspace(chunk, m, width, q.dtype)
+        fwork = _features_workspace(chunk, m, projection.shape[0], hyperbolic, width, q.dtype)
+        for b in range(t, batch, workers):
+            _head_backward(
+                q[b], k[b], v[b], mask[b], projection, consts, hyperbolic, kv[b], mu[b], chunk,
+                out[b], grad[b], grad_lse[b], dkv_out[b], dq[b], dk[b], dv[b], dkv[b],
+                seg_kv[t], seg_mu[t], check_kv[t], check_mu[t], work, fwork,
+            )  # fmt: skip
+
+
+# -- checks and entry points --------------------------------------------------------------
+
+
+class _CausalCall(_Call):
+    """:class:`linattn_numba._bidirectional._Call` for the causal pass: queries and keys of
+    one length, and the incoming state ``(kv, log_shift)`` (fresh flat copies)."""
+
+    def __init__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        projection: Any,
+        hyperbolic: object,
+        scale: object,
+        key_mask: Any,
+        kv: Any,
+        log_shift: Any,
+        chunk_size: object,
+    ) -> None:
+        super().__init__(q, k, v, projection, hyperbolic, scale, key_mask)
+        if k.shape[-2] != q.shape[-2]:
+            raise ValueError(
+                f"k must have shape (..., {q.shape[-2]}, d) like q (causal attention); "
+                f"got {k.shape}"
+            )
+        self.chunk = _chunk(_contract.check_chunk_size(chunk_size), self.length)
+        m, width = self.m, self.dv + 1
+        for name, x, tail in (("kv", kv, (m, width)), ("log_shift", log_shift, (m,))):
+            if not isinstance(x, np.ndarray):
+                raise TypeError(
+                    f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
+                )
+            if not np.issubdtype(x.dtype, np.floating):
+                raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
+            lead = x.shape[: x.ndim - len(tail)]
+            fits = x.ndim >= len(tail) and x.shape[x.ndim - len(tail) :] == tail
+            if not (fits and _broadcasts(lead, self.batch)):
+                raise ValueError(
+                    f"{name} must have shape (*batch, {', '.join(map(str, tail))}) with batch "
+                    f"axes that broadcast to {self.batch}; got {x.shape}"
+                )
+        self.mu = _fresh(np.broadcast_to(log_shift, (*self.batch, m)), (self.n, m), self.dtype)
+        state = np.broadcast_to(kv, (*self.batch, m, width))
+        self.kv = _without_empty_rows(_fresh(state, (self.n, m, width), self.dtype), self.mu)
+        self.variant = _machinery.choose_variant(self.n, self.length, m * width)
+
+    def shaped_results(self, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        return tuple(x.reshape((*self.batch, *x.shape[1:])) for x in arrays)
+
+
+def _broadcasts(shape: tuple[int, ...], batch: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, batch) == tuple(batch)
+    except ValueError:
+        return False
+
+
+def forward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    projection: np.ndarray,
+    kv: np.ndarray,
+    log_shift: np.ndarray,
+    *,
+    hyperbolic: bool,
+    scale: float,
+    key_mask: np.ndarray | None = None,
+    chunk_size: int = 64,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Causal FAVOR+ in one pass, every argument checked: ``(outputs, kv, log_shift,
+    log_normaliser)``.
+
+    :func:`linattn_numba.cpu.favor_causal` with ``return_log_normaliser=True`` (the same
+    kernel, the same results), after checks that name the argument at fault.
+
+    Parameters
+    ----------
+    q, k : ndarrays, shape ``(*batch, L, d)``
+    v : ndarray, shape ``(*batch, L, d_v)``
+        Batch axes broadcast; cast to the compute dtype (float64 stays, else float32).
+    projection : ndarray, shape ``(rows, d)``
+        The feature map's projection (``m = rows``, or ``2 rows`` for ``hyperbolic``).
+    kv, log_shift : ndarrays, shapes ``(*batch, m, d_v + 1)`` and ``(*batch, m)``
+        The incoming state (zeros and ``-inf`` for none).
+    hyperbolic : bool
+        The ``"hyperbolic"`` kind rather than ``"positive"``.
+    scale : float
+        The softmax scale.
+    key_mask : bool ndarray, shape ``(*batch, L)``, optional
+        True for keys that take part.
+    chunk_size : int, default 64
+
+    Returns
+    -------
+    (outputs, kv, log_shift, log_normaliser)
+        Normalised outputs ``(*batch, L, d_v)``, the state after the keys and each
+        output's log-denominator ``(*batch, L)`` (``-inf`` where it sees no key).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.zeros((1, 3, 2)); v = np.arange(6.0).reshape(1, 3, 2)
+    >>> state = np.zeros((1, 2, 3)), np.full((1, 2), -np.inf)
+    >>> out, kv, mu, lse = forward(x, x, v, np.eye(2), *state, hyperbolic=False, scale=1.0)
+    >>> out[0, :, 0], np.exp(lse[0])  # a running mean; t + 1 keys of weight 1
+    (array([0., 1., 2.]), array([1., 2., 3.]))
+    """
+    call = _CausalCall(q, k, v, projection, hyperbolic, scale, key_mask, kv, log_shift, chunk_size)
+    state, mu = call.kv, call.mu
+    out = np.empty((call.n, call.length, call.dv), call.dtype)
+    lse = np.empty((call.n, call.length), call.dtype)
+    with _machinery.single_threaded_blas():
+        _forward_fused.run(call.variant, *call.operands(), state, mu, call.chunk, out, lse)
+    results = call.shaped_results(out, state, mu, lse)
+    return results[0], results[1], results[2], results[3]
+
+
+def backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    projection: np.ndarray,
+    kv: np.ndarray,
+    log_shift: np.ndarray,
+    outputs: np.ndarray,
+    grad_output: np.ndarray,
+    *,
+    hyperbolic: bool,
+    scale: float,
+    key_mask: np.ndarray | None = None,
+    chunk_size: int = 64,
+    grad_log_normaliser: np.ndarray | None = None,
+    grad_kv: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients ``(dq, dk, dv, d_kv)`` of :func:`forward`, stabilisers held constant.
+
+    For cotangents ``grad_output`` of the normalised outputs, ``grad_log_normaliser`` of
+    the log-normaliser and ``grad_kv`` of the final state (``None``: zero), given the
+    forward's incoming state ``(kv, log_shift)`` and its ``outputs``.  ``d_kv`` is the
+    gradient of the incoming state's ``kv`` (0 in rows whose ``log_shift`` is ``-inf``).
+    Gradients have the broadcast batch shape, in the compute dtype (sum over broadcast
+    axes yourself); masked keys get zeros.  Features are recomputed chunk by chunk: no
+    ``L x m`` array.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.normal(size=(1, 5, 2)) for _ in range(3))
+    >>> w, g = rng.normal(size=(3, 2)), rng.normal(size=(1, 5, 2))
+    >>> state = np.zeros((1, 3, 3)), np.full((1, 3), -np.inf)
+    >>> options = dict(hyperbolic=False, scale=0.5, chunk_size=2)
+    >>> out, *_ = forward(q, k, v, w, *state, **options)
+    >>> dq, dk, dv, _ = backward(q, k, v, w, *state, out, g, **options)
+    >>> q2 = q.copy(); q2[0, 3, 1] += 1e-6
+    >>> out2, *_ = forward(q2, k, v, w, *state, **options)
+    >>> bool(abs((g * (out2 - out)).sum() / 1e-6 - dq[0, 3, 1]) < 1e-5)
+    True
+    """
+    call = _CausalCall(q, k, v, projection, hyperbolic, scale, key_mask, kv, log_shift, chunk_size)
+    m, width = call.m, call.dv + 1
+    out = call.check("outputs", outputs, (call.length, call.dv))
+    grad = call.check("grad_output", grad_output, (call.length, call.dv))
+    if grad_log_normaliser is None:
+        grad_lse = np.empty((call.n, 0), call.dtype)
+    else:
+        grad_lse = call.check("grad_log_normaliser", grad_log_normaliser, (call.length,))
+    if grad_kv is None:
+        dkv_out = np.zeros((call.n, m, width), call.dtype)
+    else:
+        dkv_out = call.check("grad_kv", grad_kv, (m, width))
+    dq, dk, dv = (np.empty(x.shape, call.dtype) for x in (call.q, call.k, call.v))
+    dkv = np.array(dkv_out, dtype=call.dtype, order="C", copy=True)
+    if call.length:  # (no tokens: the state's gradient passes through)
+        workers = min(call.n, numba.get_num_threads()) if call.variant == "parallel" else 1
+        n_chunks = -(-call.length // call.chunk)
+        stored = n_chunks * m * width * dq.itemsize
+        per_segment = n_chunks if stored <= STORE_BYTES else math.ceil(math.sqrt(n_chunks))
+        n_segments = -(-n_chunks // per_segment)
+        seg_kv = np.empty((workers, per_segment, m, width), call.dtype)
+        seg_mu = np.empty((workers, per_segment + 1, m), call.dtype)
+        check_kv = np.empty((workers, n_segments, m, width), call.dtype)
+        check_mu = np.empty((workers, n_segments, m), call.dtype)
+        with _machinery.single_threaded_blas():
+            _backward.run(
+                call.variant, *call.operands(), call.kv, call.mu, call.chunk, out, grad,
+                grad_lse, dkv_out, dq, dk, dv, dkv, seg_kv, seg_mu, check_kv, check_mu,
+            )  # fmt: skip
+    dkv = _without_empty_rows(dkv, call.mu)
+    results = call.shaped_results(dq, dk, dv, dkv)
+    return results[0], results[1], results[2], results[3]
