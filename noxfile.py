@@ -178,6 +178,7 @@ def kernels(session: nox.Session) -> None:
         "linattn_numba/_hybrid.py",
         "linattn_numba/_bidirectional.py",
         "linattn_numba/_decode.py",
+        "linattn_numba/_fused_causal.py",
         "-p",
         "no:cacheprovider",
     )

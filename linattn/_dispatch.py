@@ -347,13 +347,8 @@ def fused_causal(
 
         from linattn_numba import _torch
 
-        # A float64 copy (the map's array is read-only; NumPy's pass scales it in float64
-        # too); while compiling, the array is already a (fake) tensor to Dynamo.
-        projection = (
-            torch.as_tensor(feature_map.projection)
-            if torch.compiler.is_compiling()
-            else torch.tensor(feature_map.projection)
-        )
+        # float64, as NumPy's pass scales it
+        projection = _torch_projection(feature_map.projection, torch.float64)
         hyperbolic = feature_map.kind == "hyperbolic"
         results = _torch.causal_fused(
             q, k, v, projection, key_mask, kv, log_shift, hyperbolic, feature_map.scale,
@@ -485,11 +480,9 @@ def fused_bidirectional(
     features, state and readout block by block, no ``L x m`` array; compute dtype."""
     projection, hyperbolic = _fused_map(feature_map)
     if _library(q) == "torch":
-        import torch
-
         from linattn_numba import _torch
 
-        projection = torch.tensor(projection, dtype=q.dtype)  # (a copy: the map's is read-only)
+        projection = _torch_projection(projection, q.dtype)
         return _torch.bidirectional(q, k, v, projection, key_mask, hyperbolic, feature_map.scale)
     from linattn_numba import _bidirectional
 
@@ -528,6 +521,17 @@ def fused_bidirectional_vjp(
 
         grads = tuple(torch.from_numpy(g) for g in grads)
     return grads[0], grads[1], grads[2]
+
+
+def _torch_projection(projection: Any, dtype: Any) -> Any:
+    """The map's projection as a torch tensor of ``dtype``: a copy (the map's array is
+    read-only), except while compiling, where Dynamo already holds it as a (fake) tensor
+    and ``torch.tensor`` of a tensor warns."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return torch.as_tensor(projection, dtype=dtype)
+    return torch.tensor(projection, dtype=dtype)
 
 
 def _fused_map(feature_map: FeatureMap) -> tuple[Any, bool]:

@@ -87,6 +87,25 @@ def test_compiles_without_graph_breaks() -> None:
     torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
 
+# Dynamo traces array_api_compat's lru_cache-wrapped type tests and warns (as in
+# tests/test_torch_ops.py): harmless, their results depend on types only.
+@pytest.mark.filterwarnings(
+    "ignore:Dynamo detected a call to a .functools.lru_cache.-wrapped function:UserWarning"
+)
+def test_front_door_compiles_without_graph_breaks_or_warnings() -> None:
+    """``linear_attention`` itself (the map's projection becomes a tensor inside the
+    compiled region: no copy-construct warning, which ``filterwarnings = error`` raises)."""
+    fm = la.FeatureMap(16, 32, seed=5)
+    q, k, v, mask = tensors(torch.float32)
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return la.linear_attention(q, k, v, fm, key_mask=mask)
+
+    assert torch._dynamo.explain(attention)(q, k, v).graph_break_count == 0
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), attention(q, k, v), rtol=0, atol=0)
+
+
 def test_non_cpu_tensors_are_refused() -> None:
     q = torch.zeros(1, 3, 4)
     with pytest.raises(TypeError, match=r"v must be a torch CPU tensor; got numpy\.ndarray"):
