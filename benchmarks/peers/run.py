@@ -471,7 +471,7 @@ def machine() -> dict[str, Any]:
 def table(data: dict[str, Any]) -> str:
     names = data["implementations"]
     lines = []
-    for direction in ("bidirectional", "causal"):
+    for direction in data["results"]:  # the directions measured
         lines += [f"**{direction}** (median ms / peak MiB above inputs / time ÷ linattn's)", ""]
         header = "| implementation | " + " | ".join(f"L = {n}" for n in data["lengths"]) + " |"
         lines += [header, "|---|" + "---:|" * len(data["lengths"])]
@@ -489,7 +489,7 @@ def table(data: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     errors = []
-    for direction in ("bidirectional", "causal"):
+    for direction in data["results"]:  # the directions measured
         for name in names:
             entry = data["results"][direction].get("1024", {}).get(name, {})
             error = entry.get("warmup", {}).get("rel_error")
