@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import numpy as np
@@ -127,3 +128,26 @@ def test_peak_memory(benchmark: Any, path: str, bench: Any) -> None:
     bench.record(benchmark, f"L=16384 {path} peak RSS above inputs+outputs", extra / 2**20, "MiB")
     bench.record(benchmark, f"L=16384 {path} (peak above) / (inputs + outputs)", extra / data)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+def test_bidirectional_window_against_the_causal_pass(
+    benchmark: Any, bench: Any, feature_map: la.FeatureMap
+) -> None:
+    """Issue 15's goal for a bidirectional window: at most 2.2x the causal fused pass at the
+    same m (w = 64, L = 16384); wall and CPU time, interleaved."""
+    q, k, v = bench.workload(16384)
+
+    def window() -> np.ndarray:
+        return la.linear_attention(q, k, v, feature_map, window=64)
+
+    def causal() -> np.ndarray:
+        return la.linear_attention(q, k, v, feature_map, causal=True)
+
+    functions = {"bidirectional w=64": window, "causal": causal}
+    for clock, label in ((time.perf_counter, "wall"), (time.process_time, "CPU")):
+        times = bench.best_times(functions, repeat=2, clock=clock)
+        for name, seconds in times.items():
+            bench.record(benchmark, f"L=16384 {name} {label} time", 1e3 * seconds, "ms")
+        ratio = times["bidirectional w=64"] / times["causal"]
+        bench.record(benchmark, f"bidirectional window / causal, {label} (goal <= 2.2)", ratio)
+    benchmark.pedantic(window, rounds=1, iterations=1)
