@@ -681,6 +681,9 @@ def hybrid_outputs(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, A
     fused = fused_causal_parts(xp, found)
     if fused is not None:
         return fused
+    fused_out = fused_bidirectional_parts(xp, found)
+    if fused_out is not None:
+        return fused_out, {}
     rows, state = hybrid_rows(xp, found)
     return causal_path.normalise(xp, rows), state
 
@@ -731,6 +734,44 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
         chunk_size=part.chunk_size,
     )
     return out, {"kv": kv, "log_shift": log_shift}
+
+
+def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array | None:
+    """Bidirectional window, sinks and both fused far parts in one pass
+    (:func:`linattn_numba._hybrid.bidirectional_forward`), or ``None`` where the parts
+    are not those (or the kernel cannot run)."""
+    far = [p for p in found if isinstance(p, FarPart)]
+    window = [p for p in found if isinstance(p, WindowPart)]
+    sinks = [p for p in found if isinstance(p, ExactKeysPart)]
+    if len(far) != 2 or len(window) != 1 or len(found) != 3 + len(sinks) or len(sinks) > 1:
+        return None
+    part = far[0]
+    kernel = _dispatch.hybrid_kernel_for(part.q)
+    if kernel is None or not all(p.causal and p.plan.fused and p.lead is None for p in far):
+        return None
+    batch = tuple(part.q.shape[:-2])
+    d, dv, length = part.q.shape[-1], part.v.shape[-1], part.q.shape[-2]
+    if sinks:
+        (sink,) = sinks
+        sink_keys, sink_values, visible = sink.keys, sink.values, sink.visible
+    else:
+        sink_keys, sink_values = (
+            _zeros(xp, (*batch, 0, d), part.q),
+            _zeros(xp, (*batch, 0, dv), part.q),
+        )
+        visible = _no_keys(xp, (*batch, length, 0), None)
+    projection, hyperbolic = _dispatch._fused_map(part.feature_map)
+    return kernel.bidirectional_forward(
+        part.q,
+        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (part.k, part.v)),
+        xp.broadcast_to(part.keep, (*batch, length)),
+        part.lag,
+        part.feature_map.scale,
+        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (sink_keys, sink_values, visible)),
+        projection,
+        hyperbolic=hyperbolic,
+        chunk_size=part.chunk_size,
+    )
 
 
 def hybrid_rows(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:

@@ -52,7 +52,7 @@ from numba import prange
 from linattn_numba import _contract, _machinery, cpu
 from linattn_numba._window import _shift
 
-__all__ = ["causal_forward"]
+__all__ = ["bidirectional_forward", "causal_forward"]
 
 _jit = _machinery.jit
 
@@ -71,26 +71,36 @@ def _dot_rows(a, i, b, j, zero):
 
 
 @_jit()
+def _in_band(keep, first, length, j):
+    """Whether key ``j`` (call coordinates; ``j < 0`` is cache row ``first + j``) takes
+    part: it exists and ``keep[first + j]``."""
+    return j >= -first and j < length and keep[first + j]
+
+
+@_jit()
 def _exact_rows(
-    q, k, v, recent, recent_values, keep, sinks, sink_values, visible, i, span, consts, scratch,
-    row,
+    q, k, v, recent, recent_values, keep, sinks, sink_values, visible, i, back, ahead, consts,
+    scratch, row,
 ):  # fmt: skip
-    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window ``E[i + 1
-    .. i + span]`` (where ``keep``) and the sinks it sees, ``p = exp(logit - c)``; returns
-    ``c``, the largest visible logit (``-inf`` where it sees none, NaN if one is NaN).
-    Invisible keys are skipped: nothing they hold reaches the row."""
+    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window, the keys
+    ``j = i - back .. i + ahead`` that take part (:func:`_in_band`; ``j < 0`` are the
+    cache's), and the sinks it sees, ``p = exp(logit - c)``; returns ``c``, the largest
+    visible logit (``-inf`` where it sees none, NaN if one is NaN).  Invisible keys are
+    skipped: nothing they hold reaches the row."""
     dv = v.shape[1]
+    first, length = recent.shape[0], k.shape[0]
     zero, scale = consts[0], consts[2]
     count = sinks.shape[0]
+    span = back + ahead + 1
     top = consts[1]
     for o in range(span):
-        j = i + 1 + o
+        j = i - back + o
         logit = consts[1]
-        if keep[j]:
-            if j < span:
-                logit = _dot_rows(q, i, recent, j, zero) * scale
+        if _in_band(keep, first, length, j):
+            if j < 0:
+                logit = _dot_rows(q, i, recent, first + j, zero) * scale
             else:
-                logit = _dot_rows(q, i, k, j - span, zero) * scale
+                logit = _dot_rows(q, i, k, j, zero) * scale
             if logit > top or logit != logit:  # (once NaN, nothing is greater)
                 top = logit
         scratch[o] = logit
@@ -107,11 +117,12 @@ def _exact_rows(
     for e in range(dv + 1):
         row[e] = zero
     for o in range(span):
-        j = i + 1 + o
-        if keep[j]:
-            _add_row(
-                row, scratch[o], recent_values if j < span else v, j - span if j >= span else j
-            )
+        j = i - back + o
+        if _in_band(keep, first, length, j):
+            if j < 0:
+                _add_row(row, scratch[o], recent_values, first + j)
+            else:
+                _add_row(row, scratch[o], v, j)
     for j in range(count):
         if visible[i, j]:
             _add_row(row, scratch[span + j], sink_values, j)
@@ -128,162 +139,261 @@ def _add_row(row, p, values, j):
 
 
 @_jit()
+def _segment_max(x, i, j0, j1, low):
+    """``max x[i, j0:j1]`` (``-inf`` if empty; NaN passed over), in four running maxima."""
+    a0 = a1 = a2 = a3 = low
+    j = j0
+    while j + 4 <= j1:
+        a0 = cpu._larger(x[i, j], a0)
+        a1 = cpu._larger(x[i, j + 1], a1)
+        a2 = cpu._larger(x[i, j + 2], a2)
+        a3 = cpu._larger(x[i, j + 3], a3)
+        j += 4
+    while j < j1:
+        a0 = cpu._larger(x[i, j], a0)
+        j += 1
+    return cpu._larger(cpu._larger(a0, a1), cpu._larger(a2, a3))
+
+
+@_jit(fastmath=frozenset({"contract", "reassoc"}))
+def _exp_segment(logits, i, j0, j1, scale, shift, zero, weights):
+    """``weights[i, j] = exp(scale logits[i, j] - shift)`` for ``j0 <= j < j1``; returns
+    their sum (in any order)."""
+    total = zero
+    for j in range(j0, j1):
+        p = cpu.fast_exp(logits[i, j] * scale - shift)
+        weights[i, j] = p
+        total += p
+    return total
+
+
+@_jit()
 def _exact_chunk(
-    q, k, v, keep, sinks, sink_values, visible, t0, t1, span, consts, logit_buffer,
-    weight_buffer, sink_weights, band_values, tops, rows,
+    q, k, v, keep, first, sinks, sink_values, visible, t0, t1, back, ahead, consts,
+    logit_buffer, weight_buffer, sink_weights, band_values, tops, rows, sums,
 ):  # fmt: skip
     """:func:`_exact_rows` for queries ``t0 .. t1 - 1`` whose windows lie in the call's keys
-    (``t0 >= span - 1``), as two products: the chunk's logits against its band of keys
-    ``k[t0 + 1 - span .. t1 - 1]``, and the selected weights times the band's values (the
-    invisible keys' values zeroed first, so that nothing they hold reaches a row)."""
+    (``t0 >= back``, ``t1 + ahead <= T``), as two products: the chunk's logits against its
+    band of keys ``k[t0 - back .. t1 - 1 + ahead]``, and the weights (zero outside each
+    query's window and for invisible keys) times the band's values, taken in place where
+    every key of the band takes part, else copied with invisible keys' values zeroed (so
+    that nothing they hold reaches a row).
+
+    A NaN logit is passed over by the row's maximum (it reaches the row through its
+    weight all the same)."""
     c, dv, count = t1 - t0, v.shape[1], sinks.shape[0]
     zero, scale = consts[0], consts[2]
-    first = t0 + 1 - span  # k row of band column 0
+    lo = t0 - back  # k row of band column 0
+    span = back + ahead + 1
     width = c + span - 1
     logits = logit_buffer[: c * width].reshape((c, width))
     weights = weight_buffer[: c * width].reshape((c, width))
-    np.dot(q[t0:t1], k[first : first + width].T, logits)
+    np.dot(q[t0:t1], k[lo : lo + width].T, logits)
+    every = True
     for j in range(width):
-        if keep[span + first + j]:
-            for e in range(dv):
-                band_values[j, e] = v[first + j, e]
-            band_values[j, dv] = 1
-        else:
-            for e in range(dv + 1):
-                band_values[j, e] = zero
-    for i in range(c):
-        top = consts[1]
-        for o in range(span):  # query t0 + i, key E[t0 + i + 1 + o] = band column i + o
-            j = i + o
-            logit = consts[1]
-            if keep[span + first + j]:
-                logit = logits[i, j] * scale
-                if logit > top or logit != logit:
-                    top = logit
-            logits[i, j] = logit
+        every = every and keep[first + lo + j]
+    values = v[lo : lo + width]
+    if not every:
+        values = band_values[:width]
+        for j in range(width):
+            if keep[first + lo + j]:
+                for e in range(dv):
+                    values[j, e] = v[lo + j, e]
+            else:
+                for e in range(dv):
+                    values[j, e] = zero
+    for i in range(c):  # query t0 + i sees band columns i .. i + span - 1
+        if not every:
+            for j in range(i, i + span):
+                if not keep[first + lo + j]:
+                    logits[i, j] = consts[1]
+        top = _segment_max(logits, i, i, i + span, consts[1]) * scale
         for j in range(count):
             logit = consts[1]
             if visible[t0 + i, j]:
                 logit = _dot_rows(q, t0 + i, sinks, j, zero) * scale
-                if logit > top or logit != logit:
-                    top = logit
+                top = cpu._larger(logit, top)
             sink_weights[i, j] = logit
         tops[i] = top
         shift = _shift(top, zero)
-        for j in range(width):
+        for j in range(i):
             weights[i, j] = zero
-        for o in range(span):
-            weights[i, i + o] = cpu.fast_exp(logits[i, i + o] - shift)
+        sums[i] = _exp_segment(logits, i, i, i + span, scale, shift, zero, weights)
+        for j in range(i + span, width):
+            weights[i, j] = zero
         for j in range(count):
             sink_weights[i, j] = cpu.fast_exp(sink_weights[i, j] - shift)
-    np.dot(weights, band_values[:width], rows[:c])
+    np.dot(weights, values, rows[:c])
     for i in range(c):
         for j in range(count):
             if visible[t0 + i, j]:
-                _add_row(rows[i], sink_weights[i, j], sink_values, j)
+                p = sink_weights[i, j]
+                for e in range(dv):
+                    rows[i, e] += p * sink_values[j, e]
+                sums[i] += p
 
 
 @_jit()
-def _merge_into(far, i, far_scale, row, top, zero, out, t):
-    """``out[t] = (a far[i] + b row)[:d_v] / (a far[i] + b row)[d_v]``, ``a, b`` the two
-    partials' scales against their maximum (online softmax); ``0`` where nothing is seen."""
+def _merge_into(far, i, far_scale, later, s, later_scale, numerators, r, den, top, zero, out, t):
+    """``out[t] = P[:d_v] / P[d_v]`` for ``P = a far[i] + b later[s] + c [numerators[r] |
+    den]``: the forward far keys, the reverse far keys (bidirectional; a zero row
+    otherwise) and the exact keys, ``a, b, c`` their scales against the largest (online
+    softmax); ``0`` where nothing is seen."""
     dv = out.shape[1]
     if far[i, dv] == 0:
         far_scale = -np.inf  # a row that saw no far key holds nothing
-    both = far_scale if (far_scale > top or far_scale != far_scale) else top
+    if later[s, dv] == 0:
+        later_scale = -np.inf
+    both = top
+    if later_scale > both or later_scale != later_scale:  # (a NaN scale stays)
+        both = later_scale
+    if far_scale > both or far_scale != far_scale:
+        both = far_scale
     both = _shift(both, zero)
     a = cpu.fast_exp(far_scale - both)
-    b = cpu.fast_exp(top - both)
-    den = a * far[i, dv] + b * row[dv]
-    if den == 0:
-        den = zero + 1
-    a, b = a / den, b / den
+    b = cpu.fast_exp(later_scale - both)
+    c = cpu.fast_exp(top - both)
+    total = a * far[i, dv] + b * later[s, dv] + c * den
+    if total == 0:
+        total = zero + 1
+    a, b, c = a / total, b / total, c / total
     for e in range(dv):
-        out[t, e] = a * far[i, e] + b * row[e]
+        out[t, e] = a * far[i, e] + b * later[s, e] + c * numerators[r, e]
+
+
+@_jit()
+def _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, present):
+    """Rows ``0 .. n - 1`` of a block of the far keys' scan, from scan row ``s0``.
+
+    Scan row ``s`` is query ``t = s`` (forward) or ``t = T - 1 - s`` (reverse: its row
+    is copied into ``qx``); its far key is ``j = t - lag`` (forward; ``j < 0`` are the
+    cache's) or ``j = t + lag`` (reverse), copied into ``kx`` with ``va = [v_j | 1]``,
+    where it takes part (:func:`_in_band`); elsewhere both are zero and ``present`` is
+    false (nothing such a key holds, NaN included, reaches the scan).
+    """
+    first, length, d, dv = rb.shape[0], kb.shape[0], kb.shape[1], vb.shape[1]
+    for i in range(n):
+        if reverse:
+            t = length - 1 - s0 - i
+            j = t + lag
+            for r in range(d):
+                qx[i, r] = qb[t, r]
+        else:
+            t = s0 + i
+            j = t - lag
+        present[i] = _in_band(keepb, first, length, j)
+        if not present[i]:
+            for r in range(d):
+                kx[i, r] = 0
+            for r in range(dv + 1):
+                va[i, r] = 0
+            continue
+        source, values, row = (rb, rvb, first + j) if j < 0 else (kb, vb, j)
+        for r in range(d):
+            kx[i, r] = source[row, r]
+        for r in range(dv):
+            va[i, r] = values[row, r]
+        va[i, dv] = 1
 
 
 @_machinery.Variants
 def _forward(
     q, k, v, keep, recent, recent_values, sinks, sink_values, visible, projection, consts,
-    window_consts, hyperbolic, kv, mu, chunk, span, out,
+    window_consts, hyperbolic, kv, mu, later_kv, later_mu, chunk, lag, back, ahead,
+    bidirectional, out,
 ):  # fmt: skip
+    """All heads.  Causal: one forward scan of the far keys (lag ``lag``) and the exact
+    window ``[t - back, t + ahead]``.  Bidirectional: first a reverse scan of the keys
+    ``j >= t + lag`` (from the state ``later_kv``, ``later_mu``) into per-query rows, then
+    the forward scan, which merges them."""
     batch, length, d = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
     rows = projection.shape[0]
     dtype = q.dtype
     block_rows = chunk * max(1, cpu.FEATURE_BLOCK // chunk)
+    span = back + ahead + 1
+    first = recent.shape[1]
     for b in prange(batch):
         work, square, vecs, state_out, product = cpu._workspace(chunk, m, dv + 1, dtype)
         proj = np.empty((block_rows if hyperbolic else 0, rows), dtype)
         lq = np.empty((block_rows, m), dtype)
         lk = np.empty((block_rows, m), dtype)
+        qx = np.empty((block_rows if bidirectional else 0, d), dtype)
         kx = np.empty((block_rows, d), dtype)
         va = np.empty((block_rows, dv + 1), dtype)
+        present = np.empty(block_rows, np.bool_)
         far = np.empty((chunk, dv + 1), dtype)
         far_scale = np.empty(chunk, dtype)
+        later = np.zeros((length if bidirectional else 1, dv + 1), dtype)  # (causal: 0)
+        later_scale = np.full(length if bidirectional else 1, -np.inf, dtype)
         scratch = np.empty(span + sinks.shape[1], dtype)
-        row = np.empty(dv + 1, dtype)
-        blocked = span >= BLOCKED_SPAN
-        width = chunk + span - 1 if blocked else 0
+        width = chunk + span - 1 if span >= BLOCKED_SPAN else 0
         logits = np.empty(chunk * width, dtype)
         weights = np.empty(chunk * width, dtype)
         sink_weights = np.empty((chunk, sinks.shape[1]), dtype)
-        band_values = np.empty((width, dv + 1), dtype)
+        band_values = np.empty((width, dv), dtype)
         tops = np.empty(chunk, dtype)
-        exact = np.empty((chunk, dv + 1), dtype)
+        exact = np.empty((chunk, dv), dtype)
+        sums = np.empty(chunk, dtype)
+        row = np.empty((1, dv + 1), dtype)
         qb, kb, vb, keepb, outb = q[b], k[b], v[b], keep[b], out[b]
         rb, rvb = recent[b], recent_values[b]
         sb, svb, visb = sinks[b], sink_values[b], visible[b]
-        for s0 in range(0, length, block_rows):
-            s1 = min(s0 + block_rows, length)
-            n = s1 - s0
-            # The far key of query row t is E[t] (lagged by the window): gathered per block.
-            for i in range(n):
-                e = s0 + i
-                source, j = (rb, e) if e < span else (kb, e - span)
-                values = rvb if e < span else vb
-                for r in range(d):
-                    kx[i, r] = source[j, r]
-                if keepb[e]:
-                    for r in range(dv):
-                        va[i, r] = values[j, r]
-                    va[i, dv] = 1
-                else:  # not a far key: no values (a NaN must not leak), no features below
-                    for r in range(dv + 1):
-                        va[i, r] = 0
-            cpu._log_features(qb[s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
-            cpu._log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
-            for i in range(n):
-                if not keepb[s0 + i]:
-                    for r in range(m):
-                        lk[i, r] = -np.inf
-            for t0 in range(0, n, chunk):
-                t1 = min(t0 + chunk, n)
-                c = t1 - t0
-                cpu._chunk_forward(
-                    lq[t0:t1], lk[t0:t1], va[t0:t1], kv[b], mu[b], far[:c], work, square,
-                    vecs, state_out, product, far_scale[:c],
-                )  # fmt: skip
-                g0 = s0 + t0
-                if span >= BLOCKED_SPAN and g0 >= span - 1:
-                    _exact_chunk(
-                        qb, kb, vb, keepb, sb, svb, visb, g0, g0 + c, span, window_consts,
-                        logits, weights, sink_weights, band_values, tops, exact,
-                    )  # fmt: skip
-                    for i in range(c):
-                        _merge_into(
-                            far, i, far_scale[i], exact[i], tops[i], window_consts[0], outb,
-                            g0 + i,
+        for reverse in (True, False):
+            if reverse and not bidirectional:
+                continue
+            state, state_mu = (later_kv[b], later_mu[b]) if reverse else (kv[b], mu[b])
+            for s0 in range(0, length, block_rows):
+                s1 = min(s0 + block_rows, length)
+                n = s1 - s0
+                _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, present)
+                queries = qx[:n] if reverse else qb[s0:s1]
+                cpu._log_features(queries, projection, consts, hyperbolic, proj[:n], lq[:n])
+                cpu._log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
+                for i in range(n):
+                    if not present[i]:
+                        for r in range(m):
+                            lk[i, r] = -np.inf
+                for t0 in range(0, n, chunk):
+                    t1 = min(t0 + chunk, n)
+                    c = t1 - t0
+                    g0 = s0 + t0
+                    if reverse:  # scan row s (query T - 1 - s) kept for the forward scan
+                        cpu._chunk_forward(
+                            lq[t0:t1], lk[t0:t1], va[t0:t1], state, state_mu,
+                            later[g0 : g0 + c], work, square, vecs, state_out, product,
+                            later_scale[g0 : g0 + c],
                         )  # fmt: skip
-                    continue
-                for i in range(c):
-                    t = g0 + i
-                    top = _exact_rows(
-                        qb, kb, vb, rb, rvb, keepb, sb, svb, visb, t, span, window_consts,
-                        scratch, row,
+                        continue
+                    cpu._chunk_forward(
+                        lq[t0:t1], lk[t0:t1], va[t0:t1], state, state_mu, far[:c], work,
+                        square, vecs, state_out, product, far_scale[:c],
                     )  # fmt: skip
-                    _merge_into(far, i, far_scale[i], row, top, window_consts[0], outb, t)
+                    if width and g0 >= back and g0 + c + ahead <= length:
+                        _exact_chunk(
+                            qb, kb, vb, keepb, first, sb, svb, visb, g0, g0 + c, back, ahead,
+                            window_consts, logits, weights, sink_weights, band_values, tops,
+                            exact, sums,
+                        )  # fmt: skip
+                        for i in range(c):
+                            s = length - 1 - g0 - i if bidirectional else 0
+                            _merge_into(
+                                far, i, far_scale[i], later, s, later_scale[s], exact, i,
+                                sums[i], tops[i], window_consts[0], outb, g0 + i,
+                            )  # fmt: skip
+                        continue
+                    for i in range(c):
+                        t = g0 + i
+                        top = _exact_rows(
+                            qb, kb, vb, rb, rvb, keepb, sb, svb, visb, t, back, ahead,
+                            window_consts, scratch, row[0],
+                        )  # fmt: skip
+                        s = length - 1 - t if bidirectional else 0
+                        _merge_into(
+                            far, i, far_scale[i], later, s, later_scale[s], row, 0,
+                            row[0, dv], top, window_consts[0], outb, t,
+                        )  # fmt: skip
 
 
 def _check(named: dict[str, Any]) -> np.dtype:
@@ -300,6 +410,76 @@ def _check(named: dict[str, Any]) -> np.dtype:
         if x.dtype != wanted:
             raise TypeError(f"{name} must have dtype {wanted}; got {x.dtype}")
     return dtype
+
+
+def _validated(
+    named: dict[str, Any], expected: dict[str, tuple[int, ...]], scale: float, what: str
+) -> None:
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} for {what}; got {tuple(named[name].shape)}"
+            )
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be positive and finite; got {scale}")
+
+
+def _shapes(q: np.ndarray, v: np.ndarray, sinks: np.ndarray) -> dict[str, tuple[int, ...]]:
+    *batch, length, d = q.shape
+    dv, count = v.shape[-1], sinks.shape[-2]
+    return {
+        "k": (*batch, length, d),
+        "v": (*batch, length, dv),
+        "sinks": (*batch, count, d),
+        "sink_values": (*batch, count, dv),
+        "visible": (*batch, length, count),
+    }
+
+
+def _check_projection(
+    projection: np.ndarray, q: np.ndarray, m: int, hyperbolic: bool, kv_shape: Any
+) -> None:
+    rows = projection.shape[0] if projection.ndim == 2 else -1
+    if projection.shape != (rows, q.shape[-1]) or m != rows * (2 if hyperbolic else 1):
+        raise ValueError(
+            f"projection {projection.shape} does not match q {q.shape} and kv {kv_shape}"
+        )
+
+
+def _launch(
+    arrays: dict[str, np.ndarray], projection: np.ndarray, scale: float, hyperbolic: bool,
+    kv: np.ndarray, mu: np.ndarray, later: tuple[np.ndarray, np.ndarray] | None, chunk_size: int,
+    lag: int, back: int, ahead: int,
+) -> np.ndarray:  # fmt: skip
+    """Run :func:`_forward` on arrays flattened to one batch axis; the outputs."""
+    q, v = arrays["q"], arrays["v"]
+    *batch, length, d = q.shape
+    dv, dtype = v.shape[-1], q.dtype
+    n = math.prod(batch)
+    m = kv.shape[-2]
+
+    def flat(name: str, tail: int) -> np.ndarray:
+        x = arrays[name]
+        return np.ascontiguousarray(x).reshape((n, *x.shape[x.ndim - tail :]))
+
+    consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
+    window_consts = np.array([0.0, -np.inf, scale], dtype=dtype)
+    scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
+    out = np.empty((n, length, dv), dtype)
+    chunk = cpu._chunk(_contract.check_chunk_size(chunk_size), length)
+    span = back + ahead + 1
+    work = m * (dv + 1) * (2 if later is not None else 1) + span * (d + dv)
+    if later is None:
+        later = np.empty((n, 0, dv + 1), dtype), np.empty((n, 0), dtype)
+    with cpu._single_threaded_blas():
+        _forward.run(
+            _machinery.choose_variant(n, length, work),
+            flat("q", 2), flat("k", 2), flat("v", 2), flat("keep", 1), flat("recent", 2),
+            flat("recent_values", 2), flat("sinks", 2), flat("sink_values", 2),
+            flat("visible", 2), scaled_projection, consts, window_consts, bool(hyperbolic),
+            kv, mu, *later, chunk, lag, back, ahead, later[0].shape[1] > 0, out,
+        )  # fmt: skip
+    return out.reshape((*batch, length, dv))
 
 
 def causal_forward(
@@ -374,57 +554,97 @@ def causal_forward(
     dtype = _check(named)
     if span < 0:
         raise ValueError(f"span must be a non-negative integer; got {span}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be positive and finite; got {scale}")
     *batch, length, d = q.shape
-    dv, count = v.shape[-1], sinks.shape[-2]
+    dv = v.shape[-1]
     m = kv.shape[-2]
-    rows = projection.shape[0]
-    if projection.shape != (rows, d) or m != rows * (2 if hyperbolic else 1):
-        raise ValueError(
-            f"projection {projection.shape} does not match q {q.shape} and kv {kv.shape}"
-        )
+    _check_projection(projection, q, m, hyperbolic, kv.shape)
     expected = {
-        "k": (*batch, length, d),
-        "v": (*batch, length, dv),
+        **_shapes(q, v, sinks),
         "keep": (*batch, span + length),
         "recent": (*batch, span, d),
         "recent_values": (*batch, span, dv),
-        "sinks": (*batch, count, d),
-        "sink_values": (*batch, count, dv),
-        "visible": (*batch, length, count),
         "kv": (*batch, m, dv + 1),
         "log_shift": (*batch, m),
     }
-    for name, shape in expected.items():
-        if tuple(named[name].shape) != shape:
-            raise ValueError(
-                f"{name} must have shape {shape} for q {q.shape}, span {span} and "
-                f"values (..., {dv}); got {tuple(named[name].shape)}"
-            )
+    _validated(named, expected, scale, f"q {q.shape}, span {span} and values (..., {dv})")
     n = math.prod(batch)
-
-    def flat(x: np.ndarray, tail: int) -> np.ndarray:
-        return np.ascontiguousarray(x).reshape((n, *x.shape[x.ndim - tail :]))
-
     mu = np.array(log_shift, dtype=dtype).reshape((n, m))
     state = cpu._without_empty_rows(np.array(kv, dtype=dtype).reshape((n, m, dv + 1)), mu)
-    consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
-    window_consts = np.array([0.0, -np.inf, scale], dtype=dtype)
-    scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
-    out = np.empty((n, length, dv), dtype)
-    chunk = cpu._chunk(_contract.check_chunk_size(chunk_size), length)
-    work = m * (dv + 1) + span * (d + dv)
-    with cpu._single_threaded_blas():
-        _forward.run(
-            _machinery.choose_variant(n, length, work),
-            flat(q, 2), flat(k, 2), flat(v, 2), flat(keep, 1), flat(recent, 2),
-            flat(recent_values, 2), flat(sinks, 2),
-            flat(sink_values, 2), flat(visible, 2), scaled_projection, consts,
-            window_consts, bool(hyperbolic), state, mu, chunk, span, out,
-        )  # fmt: skip
-    return (
-        out.reshape((*batch, length, dv)),
-        state.reshape((*batch, m, dv + 1)),
-        mu.reshape((*batch, m)),
-    )
+    out = _launch(
+        named, projection, scale, hyperbolic, state, mu, None, chunk_size, span,
+        span - 1, 0,
+    )  # fmt: skip
+    return out, state.reshape((*batch, m, dv + 1)), mu.reshape((*batch, m))
+
+
+def bidirectional_forward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    keep: np.ndarray,
+    window: int,
+    scale: float,
+    sinks: np.ndarray,
+    sink_values: np.ndarray,
+    visible: np.ndarray,
+    projection: np.ndarray,
+    *,
+    hyperbolic: bool,
+    chunk_size: int,
+) -> np.ndarray:
+    """Normalised bidirectional hybrid attention: exact window, sinks, far keys.
+
+    Query ``t`` sees the keys ``|t - j| < window`` exactly (where ``keep``), the sinks it
+    sees exactly, and the far keys ``j <= t - window`` and ``j >= t + window`` (where
+    ``keep``) by random features: a reverse scan of the latter into per-query rows, then
+    the forward scan, which merges all four partials.  Never one global state minus the
+    window (that subtraction cancels catastrophically).
+
+    Parameters
+    ----------
+    q, k, v : numpy.ndarray
+        Queries and keys ``(..., T, d)`` and values ``(..., T, d_v)``, float32 or float64.
+    keep : numpy.ndarray
+        bool ``(..., T)``: which keys take part in the window and the far part.
+    window : int
+        ``w >= 1``.
+    scale, sinks, sink_values, visible, projection, hyperbolic, chunk_size
+        As in :func:`causal_forward`.
+
+    Returns
+    -------
+    numpy.ndarray
+        Outputs ``(..., T, d_v)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q = k = np.zeros((1, 3, 1)); v = np.array([[[1.0], [2.0], [6.0]]])
+    >>> sinks = np.zeros((1, 0, 1)), np.zeros((1, 0, 1)), np.zeros((1, 3, 0), bool)
+    >>> bidirectional_forward(q, k, v, np.ones((1, 3), bool), 1, 1.0, *sinks, np.eye(1),
+    ...     hyperbolic=False, chunk_size=64)[0, :, 0]  # equal logits: plain averages
+    array([3., 3., 3.])
+    """
+    window = int(window)
+    named = {
+        "q": q, "k": k, "v": v, "keep": keep, "sinks": sinks, "sink_values": sink_values,
+        "visible": visible,
+    }  # fmt: skip
+    dtype = _check(named)
+    if window < 1:
+        raise ValueError(f"window must be a positive integer; got {window}")
+    *batch, length, d = q.shape
+    dv = v.shape[-1]
+    m = projection.shape[0] * (2 if hyperbolic else 1)
+    _check_projection(projection, q, m, hyperbolic, (*batch, m, dv + 1))
+    expected = {**_shapes(q, v, sinks), "keep": (*batch, length)}
+    _validated(named, expected, scale, f"q {q.shape} and values (..., {dv})")
+    n = math.prod(batch)
+    empty = np.zeros((n, m, dv + 1), dtype), np.full((n, m), -np.inf, dtype)
+    later = np.zeros((n, m, dv + 1), dtype), np.full((n, m), -np.inf, dtype)
+    arrays = {**named, "recent": np.empty((*batch, 0, d), dtype),
+              "recent_values": np.empty((*batch, 0, dv), dtype)}  # fmt: skip
+    return _launch(
+        arrays, projection, scale, hyperbolic, *empty, later, chunk_size, window, window - 1,
+        window - 1,
+    )  # fmt: skip

@@ -111,10 +111,118 @@ def test_other_paths_do_not_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> 
     assert _dispatch.hybrid_kernel_for(xps.asarray(q)) is None
     before = _launches()
     la.linear_attention(q, k, v, None, **_options(5, 3))  # no feature map: the window kernel
-    la.linear_attention(q, k, v, fm, **{**_options(5, 3), "causal": False})
+    la.linear_attention(q, k, v, fm, **{**_options(None, 3), "causal": False})  # no window
     monkeypatch.setenv("LINATTN_BACKEND", "array_api")
     la.linear_attention(q, k, v, fm, **_options(5, 3))
+    la.linear_attention(q, k, v, fm, **{**_options(5, 3), "causal": False})
     assert _launches() == before
+
+
+# -- bidirectional: a reverse scan of the later far keys, then the forward scan ----------
+
+
+def _bidirectional(window: int | None, sinks: int, chunk_size: int = 16, **extra: object) -> dict:
+    return {**_options(window, sinks, chunk_size), "causal": False, **extra}
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+@pytest.mark.parametrize(
+    ("window", "sinks", "exact"),
+    [(5, 3, False), (40, 0, False), (12, 2, False), (1, 1, False), (200, 0, False), (5, 0, True)],
+)
+def test_bidirectional_kernel_equals_the_portable_parts(
+    kind: str, window: int, sinks: int, exact: bool
+) -> None:
+    """Windows of ``2 w - 1`` keys: 9 and 23 (direct loops, products), 79 and 1 (edges),
+    one beyond the sequence; sinks, and ``exact_key_mask``'s gathered keys."""
+    q, k, v, mask = _inputs()
+    fm = la.FeatureMap(D, 16, kind=kind, seed=1)
+    extra = {}
+    if exact:
+        chosen = np.zeros((BATCH[0], 1, LENGTH), bool)
+        chosen[0, 0, [3, 70, 149]] = chosen[1, 0, [0, 100]] = True
+        extra = {"exact_key_mask": chosen}
+    options = _bidirectional(window, sinks, **extra)
+    before = _launches()
+    got = la.linear_attention(q, k, v, fm, key_mask=mask, **options)
+    assert _launches() == before + 1
+    a = xps.asarray
+    strict = {**options, **{name: a(x) for name, x in extra.items()}}
+    want = la.linear_attention(a(q), a(k), a(v), fm, key_mask=a(mask), **strict)
+    np.testing.assert_allclose(got, np.asarray(want), **FLOAT64)
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    got32 = la.linear_attention(q32, k32, v32, fm, key_mask=mask, **options)
+    assert got32.dtype == np.float32
+    np.testing.assert_allclose(got32, got, **FLOAT32)
+
+
+@pytest.mark.parametrize("window", [4, _hybrid.BLOCKED_SPAN])  # direct loops; products
+def test_bidirectional_any_chunk_and_masked_keys_never_reach_a_row(window: int) -> None:
+    q, k, v, mask = _inputs(seed=5)
+    fm = la.FeatureMap(D, 16, seed=5)
+    clean = la.linear_attention(q, k, v, fm, key_mask=mask, **_bidirectional(window, 2))
+    other = la.linear_attention(q, k, v, fm, key_mask=mask, **_bidirectional(window, 2, 7))
+    np.testing.assert_allclose(other, clean, **FLOAT64)
+    hidden = np.broadcast_to(~mask, k.shape[:-1])
+    bad_k, bad_v = k.copy(), v.copy()
+    bad_k[hidden], bad_v[hidden] = np.nan, np.inf
+    dirty = la.linear_attention(q, bad_k, bad_v, fm, key_mask=mask, **_bidirectional(window, 2))
+    assert np.array_equal(dirty, clean)
+
+
+def test_bidirectional_serial_and_parallel_variants_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, mask = _inputs(seed=6)
+    fm = la.FeatureMap(D, 16, seed=6)
+    results = []
+    for variant in ("serial", "parallel"):
+        monkeypatch.setattr(_hybrid._machinery, "choose_variant", lambda *_, v=variant: v)
+        results.append(la.linear_attention(q, k, v, fm, key_mask=mask, **_bidirectional(20, 3)))
+    assert np.array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+def test_bidirectional_kernel_against_a_quadratic_reference(kind: str) -> None:
+    """The estimate written out with all ``L x L`` weights (NumPy float64): a key ``j``
+    with ``|t - j| < w`` weighs ``exp(s q_t . k_j)``, any other ``phi(q_t) . phi(k_j)``
+    (both scans), a masked key nothing."""
+    rng = np.random.default_rng(7)
+    length, w, dv = 90, 7, 3
+    q, k = (0.5 * rng.normal(size=(2, length, D)) for _ in range(2))
+    v = rng.normal(size=(2, length, dv))
+    keep = rng.random((2, length)) > 0.2
+    fm = la.FeatureMap(D, 32, kind=kind, seed=7)
+    log_q, sign_q = fm.signed_log_features(q, role="query")
+    log_k, sign_k = fm.signed_log_features(k, role="key")
+    phi_q, phi_k = (
+        np.exp(x) * (1 if s is None else s) for x, s in [(log_q, sign_q), (log_k, sign_k)]
+    )
+    far = phi_q @ np.swapaxes(phi_k, -1, -2)
+    exact = np.exp(fm.scale * q @ np.swapaxes(k, -1, -2))
+    near = np.abs(np.arange(length)[:, None] - np.arange(length)) < w
+    weights = np.where(near, exact, far) * keep[:, None, :]
+    want = weights @ v / weights.sum(-1, keepdims=True)
+    sinks = np.zeros((2, 0, D)), np.zeros((2, 0, dv)), np.zeros((2, length, 0), bool)
+    got = _hybrid.bidirectional_forward(
+        q, k, v, keep, w, fm.scale, *sinks, np.asarray(fm.projection),
+        hyperbolic=kind == "hyperbolic", chunk_size=8,
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_bidirectional_bad_inputs_are_named() -> None:
+    args = _call()
+    for name in ("recent", "recent_values", "span", "kv", "log_shift"):
+        del args[name]
+    args["keep"] = args["keep"][:, :6]
+    _hybrid.bidirectional_forward(**args, window=2)  # (valid)
+    with pytest.raises(ValueError, match="window must be a positive integer; got 0"):
+        _hybrid.bidirectional_forward(**args, window=0)
+    with pytest.raises(ValueError, match=r"keep must have shape \(2, 6\) for q"):
+        _hybrid.bidirectional_forward(**{**args, "keep": np.ones((2, 8), bool)}, window=2)
+    with pytest.raises(TypeError, match="sinks must have dtype float64; got float32"):
+        _hybrid.bidirectional_forward(
+            **{**args, "sinks": np.zeros((2, 1, 4), np.float32)}, window=2
+        )
 
 
 def _call(**change: object) -> dict:
