@@ -1,4 +1,4 @@
-"""The causal hybrid forward in one Numba pass: window, sinks and far keys per chunk.
+"""The hybrid forward in one Numba pass: window, sinks and far keys per chunk.
 
 ``linattn.hybrid`` splits the keys of causal hybrid attention into three parts (each key
 in exactly one): the window, the sink keys, and the far keys, which random features
@@ -25,6 +25,13 @@ w]`` exactly and ``E[0 .. i]`` (on top of the state) by random features.  ``E`` 
 built: row ``e`` is read from the cache or the call's keys.  The sinks are ``(..., S,
 d)`` keys with ``visible`` ``(..., T, S)``.  Forward only: gradients go through the
 parts' adjoints.
+
+Bidirectional windows (:func:`bidirectional_forward`: exact keys ``|t - j| < w``, far
+keys ``j <= t - w`` and ``j >= t + w``) run the same kernel twice over: a reverse scan
+first (scan row ``s`` is query ``T - 1 - s``, its far key ``t + w``), which keeps every
+query's rows ``[num | den]`` and log-scale (``L x (d_v + 1)`` per head, not ``L x m``),
+then the forward scan, which merges them with its own far keys, the window and the sinks.
+Two states, each built only by adding keys: the window is never subtracted.
 
 Examples
 --------
