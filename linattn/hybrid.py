@@ -688,6 +688,24 @@ def hybrid_outputs(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, A
     return causal_path.normalise(xp, rows), state
 
 
+def _sink_arrays(
+    xp: Namespace, sinks: list[ExactKeysPart], part: FarPart, batch: tuple[int, ...]
+) -> tuple[Array, Array, Array]:
+    """The sink keys, values and ``visible`` of the one-pass kernels, broadcast to
+    ``batch`` (no sinks: empty arrays)."""
+    if sinks:
+        (sink,) = sinks
+        arrays = (sink.keys, sink.values, sink.visible)
+    else:
+        d, dv, length = part.q.shape[-1], part.v.shape[-1], part.q.shape[-2]
+        arrays = (
+            _zeros(xp, (*batch, 0, d), part.q),
+            _zeros(xp, (*batch, 0, dv), part.q),
+            _no_keys(xp, (*batch, length, 0), None),
+        )
+    return tuple(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in arrays)
+
+
 def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]] | None:
     """Causal window, sinks and fused far keys in one pass (:mod:`linattn_numba._hybrid`),
     or ``None`` where the parts are not those (or the kernel cannot run)."""
@@ -701,22 +719,13 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
     if kernel is None or not (part.causal and part.plan.fused) or part.reverse:
         return None
     batch = tuple(part.q.shape[:-2])
-    d, dv = part.q.shape[-1], part.v.shape[-1]
+    dv = part.v.shape[-1]
     if window:
         (band,) = window
         (recent, recent_values), keep, span = band.before, band.keep, band.span
     else:  # no window: no cache, the far keys are the call's own
         keep, span = part.operands(xp)[3], 0
         recent, recent_values = (_zeros(xp, (*batch, 0, x.shape[-1]), x) for x in (part.k, part.v))
-    if sinks:
-        (sink,) = sinks
-        sink_keys, sink_values, visible = sink.keys, sink.values, sink.visible
-    else:
-        sink_keys, sink_values = (
-            _zeros(xp, (*batch, 0, d), part.q),
-            _zeros(xp, (*batch, 0, dv), part.q),
-        )
-        visible = _no_keys(xp, (*batch, part.q.shape[-2], 0), None)
     projection, hyperbolic = _dispatch._fused_map(part.feature_map)
     m = part.feature_map.num_features
     out, kv, log_shift = kernel.causal_forward(
@@ -726,7 +735,7 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
         *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (recent, recent_values)),
         span,
         part.feature_map.scale,
-        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (sink_keys, sink_values, visible)),
+        *_sink_arrays(xp, sinks, part, batch),
         projection,
         hyperbolic=hyperbolic,
         kv=xp.broadcast_to(part.kv, (*batch, m, dv + 1)),
@@ -750,16 +759,7 @@ def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array | None:
     if kernel is None or not all(p.causal and p.plan.fused and p.lead is None for p in far):
         return None
     batch = tuple(part.q.shape[:-2])
-    d, dv, length = part.q.shape[-1], part.v.shape[-1], part.q.shape[-2]
-    if sinks:
-        (sink,) = sinks
-        sink_keys, sink_values, visible = sink.keys, sink.values, sink.visible
-    else:
-        sink_keys, sink_values = (
-            _zeros(xp, (*batch, 0, d), part.q),
-            _zeros(xp, (*batch, 0, dv), part.q),
-        )
-        visible = _no_keys(xp, (*batch, length, 0), None)
+    length = part.q.shape[-2]
     projection, hyperbolic = _dispatch._fused_map(part.feature_map)
     return kernel.bidirectional_forward(
         part.q,
@@ -767,7 +767,7 @@ def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array | None:
         xp.broadcast_to(part.keep, (*batch, length)),
         part.lag,
         part.feature_map.scale,
-        *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (sink_keys, sink_values, visible)),
+        *_sink_arrays(xp, sinks, part, batch),
         projection,
         hyperbolic=hyperbolic,
         chunk_size=part.chunk_size,
