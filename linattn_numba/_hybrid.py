@@ -248,9 +248,9 @@ def _merge_into(far, i, far_scale, later, s, later_scale, numerators, r, den, to
     softmax); ``0`` where nothing is seen."""
     dv = out.shape[1]
     if far[i, dv] == 0:
-        far_scale = -np.inf  # a row that saw no far key holds nothing
+        far_scale = cpu.typed(-np.inf, zero)  # a row that saw no far key holds nothing
     if later[s, dv] == 0:
-        later_scale = -np.inf
+        later_scale = cpu.typed(-np.inf, zero)
     both = top
     if later_scale > both or later_scale != later_scale:  # (a NaN scale stays)
         both = later_scale
@@ -262,7 +262,7 @@ def _merge_into(far, i, far_scale, later, s, later_scale, numerators, r, den, to
     c = cpu.fast_exp(top - both)
     total = a * far[i, dv] + b * later[s, dv] + c * den
     if total == 0:
-        total = zero + 1
+        total = cpu.typed(1, zero)
     a, b, c = a / total, b / total, c / total
     for e in range(dv):
         out[t, e] = a * far[i, e] + b * later[s, e] + c * numerators[r, e]
