@@ -41,11 +41,12 @@ from numba import prange
 from linattn_numba import _machinery
 from linattn_numba.cpu import (
     FEATURE_BLOCK,
-    _absorb,
     _flat,
     _half_norm,
     _log_features,
+    _running_max,
     _safe_shift,
+    _shift_between,
     _without_empty_rows,
     fast_exp,
 )
@@ -77,21 +78,47 @@ def _key_block(k, v, mask, projection, consts, hyperbolic, proj, lk, va):
                 va[i, e] = 0
 
 
-#: Lanes of the per-row maximum in :func:`_query_factors`: a running maximum per lane is
+#: Lanes of the per-row maximum in :func:`_query_block`: a running maximum per lane is
 #: an elementwise ``max`` that vectorises (a scalar ``max`` reduction over floats does
 #: not without fast-math flags that assume no NaN); measured 2.4x faster, m = 256.
 LANES = 16
 
 
 @_jit()
-def _query_factors(lq, ms, lanes):
-    """``u_t = exp(l(q_t) + ms - F_t)`` in place of ``lq`` (``F_t`` 0 where not finite);
-    ``lanes`` is scratch of :data:`LANES` entries."""
-    n, m = lq.shape
+def _project(x, projection, hyperbolic, proj, out):
+    """``out = +-(sqrt(s) x) W^T``: the log-features without their per-row offset
+    ``s |x|^2 / 2 + log(m) / 2`` (``proj`` is scratch for the hyperbolic kind)."""
+    rows = projection.shape[0]
+    if not hyperbolic:
+        np.dot(x, projection.T, out)
+        return
+    np.dot(x, projection.T, proj)
+    for i in range(x.shape[0]):
+        for r in range(rows):
+            out[i, r] = proj[i, r]
+            out[i, rows + r] = -proj[i, r]
+
+
+@_jit(fastmath=frozenset({"contract", "reassoc"}))
+def _exp_row(u, i, f, z):
+    """``u[i] = exp(u[i] - f)`` in place; returns ``u[i] . z`` (summed in any order)."""
+    total = u[i, 0] - u[i, 0]
+    for r in range(u.shape[1]):
+        p = fast_exp(u[i, r] - f)
+        u[i, r] = p
+        total += p * z[r]
+    return total
+
+
+@_jit()
+def _query_factors(u, ms, lanes, z, den):
+    """``u_t = exp(u_t + ms - F_t)`` in place (``F_t`` the row's maximum, 0 where not
+    finite) and ``den_t = u_t . z``; ``lanes`` is scratch of :data:`LANES` entries."""
+    n, m = u.shape
     zero = ms[0] - ms[0]
     whole = m - m % LANES
     for i in range(n):
-        row = lq[i]
+        row = u[i]
         for r in range(m):
             row[r] += ms[r]
         lanes[:] = row[0]
@@ -108,8 +135,26 @@ def _query_factors(lq, ms, lanes):
                 f = row[r]
         if not np.isfinite(f):
             f = zero
-        for r in range(m):
-            row[r] = fast_exp(row[r] - f)
+        den[i] = _exp_row(u, i, f, z)
+
+
+@_jit()
+def _query_block(x, projection, consts, hyperbolic, proj, ms, lanes, z, u, den):
+    """``u_t = exp(l(q_t) + ms - F_t)`` of one block of queries into ``u``, and their
+    denominators ``den_t = u_t . z`` (``z = S[:, d_v]``).
+
+    ``F_t = max_r (l(q_t) + ms)_r`` absorbs ``l``'s per-row offset, so it is never
+    computed: only the projection.  A row whose ``s |x|^2 / 2`` overflows has no
+    features (``l = -inf``): ``u_t = 0``.
+    """
+    root_half_scale = np.sqrt(consts[0])
+    _project(x, projection, hyperbolic, proj, u)
+    _query_factors(u, ms, lanes, z, den)
+    for i in range(u.shape[0]):
+        if _half_norm(x[i], root_half_scale) == np.inf:
+            for r in range(u.shape[1]):
+                u[i, r] = 0
+            den[i] = 0
 
 
 @_jit()
@@ -155,17 +200,16 @@ def _features_vjp(x, d_log, projection, consts, hyperbolic, d_proj, dx):
 
 
 @_jit()
-def _normalise_rows(block, out):
-    """``out = block[:, :d_v] / block[:, d_v]``; zeros where the denominator is 0."""
+def _normalise_rows(block, den, out):
+    """``out = block / den`` row by row; zeros where the denominator is 0."""
     dv = out.shape[1]
     for i in range(out.shape[0]):
-        den = block[i, dv]
-        if den != 0:
+        if den[i] != 0:
             for e in range(dv):
-                out[i, e] = block[i, e] / den
+                out[i, e] = block[i, e] / den[i]
         else:
             for e in range(dv):
-                out[i, e] = den
+                out[i, e] = den[i]
 
 
 # -- passes -----------------------------------------------------------------------------
@@ -173,56 +217,122 @@ def _normalise_rows(block, out):
 
 @_jit()
 def _workspace(span, m, rows, hyperbolic, width, dtype):
-    """Per worker: projection scratch, two feature blocks, two value-width blocks, the
-    shift vectors ``(ms, top, shift, decay)`` (and :data:`LANES` scratch) and an
-    ``m x (d_v + 1)`` product."""
+    """Per worker: projection scratch, two feature blocks, two value-width blocks, six
+    vectors (shifts, sums, :data:`LANES` scratch) and an ``m x (d_v + 1)`` product."""
     return (
         np.empty((span if hyperbolic else 0, rows), dtype),
         np.empty((2, span, m), dtype),
         np.empty((2, span, width), dtype),
-        np.empty((5, max(m, LANES)), dtype),
+        np.empty((6, max(m, span, LANES)), dtype),
         np.empty((m, width), dtype),
     )
 
 
 @_jit()
+def _key_log_features(x, mask, projection, consts, hyperbolic, proj, lk):
+    """``lk = l(k)`` of one block of keys: ``-inf`` rows for masked keys and for keys whose
+    ``s |x|^2 / 2`` overflows."""
+    n, m = lk.shape
+    root_half_scale, log_root_m = np.sqrt(consts[0]), consts[1]
+    _project(x, projection, hyperbolic, proj, lk)
+    for j in range(n):
+        half_norm = _half_norm(x[j], root_half_scale)
+        if half_norm == np.inf or not mask[j]:
+            for r in range(m):
+                lk[j, r] = -np.inf
+            continue
+        offset = half_norm + log_root_m
+        for r in range(m):
+            lk[j, r] -= offset
+
+
+@_jit(fastmath=frozenset({"contract", "reassoc"}))
+def _exp_rows(lk, shift, sums):
+    """``lk = exp(lk - shift)`` in place (one array: aliased arguments would not
+    vectorise), and ``sums`` its column sums, summed in any order."""
+    sums[:] = 0
+    for j in range(lk.shape[0]):
+        row = lk[j]
+        for r in range(lk.shape[1]):
+            p = fast_exp(row[r] - shift[r])
+            row[r] = p
+            sums[r] += p
+
+
+@_jit()
 def _absorb_all(k, v, mask, projection, consts, hyperbolic, kv, mu, work):
-    """Pass 1 of one head: every key block into ``(kv, mu)``."""
+    """Pass 1 of one head: every key block into ``(kv, mu)``.
+
+    Per block: ``mu' = max(mu, max_j l(k_j))``, ``phi = exp(l(K) - mu')``, and ``S' =
+    exp(mu - mu') S + phi^T [V | 1]`` as ``phi^T V`` (``d_v`` columns: ``d_v + 1`` runs
+    as slowly as 80 in BLAS, measured) and ``phi``'s column sums.
+    """
     proj, feats, blocks, vecs, product = work
-    m = mu.shape[0]
-    ms, top, shift, decay = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[3][:m]
+    m, dv = mu.shape[0], v.shape[1]
+    ms, top, shift, decay, sums = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[3][:m], vecs[4][:m]
     span = feats.shape[1]
+    values = blocks[0].reshape(-1)[: span * dv].reshape((span, dv))
+    numerators = product.reshape(-1)[: m * dv].reshape((m, dv))
     for s0 in range(0, k.shape[0], span):
         s1 = min(s0 + span, k.shape[0])
         n = s1 - s0
-        lk, phi, va = feats[0][:n], feats[1][:n], blocks[0][:n]
-        _key_block(k[s0:s1], v[s0:s1], mask[s0:s1], projection, consts, hyperbolic,
-                   proj[:n], lk, va)  # fmt: skip
+        lk = feats[0][:n]
         _safe_shift(mu, ms)
-        # phi in its own block: written in place of lk, the exponentials ran 8x slower
-        # (aliased arguments, no vectorisation).  (No psi to reuse: passed phi, unread.)
-        _absorb(lk, va, kv, mu, ms, phi, top, shift, decay, product, phi, ms, False)
+        _key_log_features(k[s0:s1], mask[s0:s1], projection, consts, hyperbolic, proj[:n], lk)
+        _running_max(lk, mu, top)
+        _shift_between(mu, top, ms, shift, decay)
+        _exp_rows(lk, shift, sums)
+        every = True
+        for j in range(s0, s1):
+            every = every and mask[j]
+        block_values = v[s0:s1]
+        if not every:  # masked keys' values zeroed: nothing they hold (NaN) reaches S
+            block_values = values[:n]
+            for j in range(n):
+                for e in range(dv):
+                    block_values[j, e] = v[s0 + j, e] if mask[s0 + j] else 0
+        np.dot(lk.T, block_values, numerators)
+        for r in range(m):
+            scale = decay[r]
+            mu[r] = top[r]
+            for e in range(dv):
+                kv[r, e] = scale * kv[r, e] + numerators[r, e]
+            kv[r, dv] = scale * kv[r, dv] + sums[r]
+
+
+@_jit()
+def _split_state(kv, numerators, z):
+    """``numerators = S[:, :d_v]`` (contiguous, for BLAS) and ``z = S[:, d_v]``."""
+    dv = numerators.shape[1]
+    for r in range(kv.shape[0]):
+        for e in range(dv):
+            numerators[r, e] = kv[r, e]
+        z[r] = kv[r, dv]
 
 
 @_machinery.Variants
 def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out):
     batch, length, _ = q.shape
     m, width = kv.shape[1], kv.shape[2]
+    dv = width - 1
     span = min(FEATURE_BLOCK, max(length, k.shape[1], 1))
     for b in prange(batch):
         work = _workspace(span, m, projection.shape[0], hyperbolic, width, q.dtype)
-        proj, feats, blocks, vecs, _ = work
+        proj, feats, blocks, vecs, product = work
         _absorb_all(k[b], v[b], mask[b], projection, consts, hyperbolic, kv[b], mu[b], work)
-        ms, lanes = vecs[0][:m], vecs[4]
+        ms, z, den, lanes = vecs[0][:m], vecs[1][:m], vecs[2][:span], vecs[5][:LANES]
+        numerators = product.reshape(-1)[: m * dv].reshape((m, dv))
+        block = blocks[0].reshape(-1)[: span * dv].reshape((span, dv))
         _safe_shift(mu[b], ms)
+        _split_state(kv[b], numerators, z)
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
-            u, block = feats[0][:n], blocks[0][:n]
-            _log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], u)
-            _query_factors(u, ms, lanes)
-            np.dot(u, kv[b], block)
-            _normalise_rows(block, out[b][s0:s1])
+            u = feats[0][:n]
+            _query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
+                         u, den[:n])  # fmt: skip
+            np.dot(u, numerators, block[:n])
+            _normalise_rows(block[:n], den[:n], out[b][s0:s1])
 
 
 @_jit()
@@ -255,15 +365,16 @@ def _backward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, 
     for b in prange(batch):
         proj, feats, blocks, vecs, product = _workspace(span, m, rows, hyperbolic, width, q.dtype)
         d_state = np.zeros((m, width), q.dtype)
-        ms, lanes = vecs[0][:m], vecs[4]
+        ms, z, lanes = vecs[0][:m], vecs[1][:m], vecs[5][:LANES]
         _safe_shift(mu[b], ms)
+        z[:] = kv[b][:, width - 1]
         # Queries: d l(q) = u * (A S^T), dS = u^T A.
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
             u, d_aug, du = feats[0][:n], blocks[0][:n], feats[1][:n]
-            _log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], u)
-            _query_factors(u, ms, lanes)
+            _query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
+                         u, vecs[2][:n])  # fmt: skip
             _query_cotangents(u, kv[b], out[b][s0:s1], grad[b][s0:s1], d_aug)
             np.dot(d_aug, kv[b].T, du)
             np.dot(u.T, d_aug, product)
