@@ -13,8 +13,11 @@ exists:
    (zeros where the denominator is 0: the query sees no key).
 
 The log-features ``l(x)`` of the ``"positive"`` and ``"hyperbolic"`` kinds are computed
-in the kernel (``linattn_numba.cpu._log_features``), :data:`linattn_numba.cpu.FEATURE_BLOCK`
-tokens at a time, so memory above inputs and outputs is ``O(FEATURE_BLOCK m)`` per thread.
+in the kernel, :data:`linattn_numba.cpu.FEATURE_BLOCK` tokens at a time, so memory above
+inputs and outputs is ``O(FEATURE_BLOCK m)`` per thread; the queries' per-row offset
+``s |q_t|^2 / 2 + log(m) / 2`` is never computed (``F_t`` absorbs it), each denominator is
+summed with its row's exponentials, and the state products run ``d_v`` wide (``phi^T V``
+and ``u S[:, :d_v]``), the ones column as sums.
 
 The backward pass (:func:`favor_bidirectional_backward`) gives the gradients of the
 normalised outputs with respect to ``q``, ``k`` and ``v``, every stabiliser (``mu``,
