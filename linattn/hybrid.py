@@ -446,6 +446,11 @@ class FarPart(Part):
                 return_log_normaliser=True,
             )
             rows = xp.concat([out, xp.ones_like(out[..., :1])], axis=-1)
+        elif not self.causal and self._fused_bidirectional(plan):
+            out, log_scale = _dispatch.fused_bidirectional(
+                q, k, v, self.feature_map, keep, return_log_normaliser=True
+            )
+            rows = xp.concat([out, xp.ones_like(out[..., :1])], axis=-1)
         else:
             log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
             values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
@@ -480,6 +485,11 @@ class FarPart(Part):
         if self.reverse:
             rows, log_scale = xp.flip(rows, axis=-2), xp.flip(log_scale, axis=-1)
         return (rows, log_scale), kv, log_shift
+
+    def _fused_bidirectional(self, plan: _dispatch.Plan) -> bool:
+        """Whether the fused bidirectional pass gives this (non-causal) part's rows: the
+        plan's fused pass on NumPy arrays (its log-normaliser is the rows' log-scale)."""
+        return plan.fused and self.statistics is None and _dispatch._library(self.q) == "numpy"
 
     def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
         from linattn.vjp import _bidirectional_vjp, causal_vjp

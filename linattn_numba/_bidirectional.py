@@ -114,9 +114,10 @@ def _exp_row(u, i, f, z):
 
 
 @_jit()
-def _query_factors(u, ms, lanes, z, den):
+def _query_factors(u, ms, lanes, z, den, tops):
     """``u_t = exp(u_t + ms - F_t)`` in place (``F_t`` the row's maximum, 0 where not
-    finite) and ``den_t = u_t . z``; ``lanes`` is scratch of :data:`LANES` entries."""
+    finite, into ``tops``) and ``den_t = u_t . z``; ``lanes`` is scratch of
+    :data:`LANES` entries."""
     n, m = u.shape
     zero = ms[0] - ms[0]
     whole = m - m % LANES
@@ -138,23 +139,28 @@ def _query_factors(u, ms, lanes, z, den):
                 f = row[r]
         if not np.isfinite(f):
             f = zero
+        tops[i] = f
         den[i] = _exp_row(u, i, f, z)
 
 
 @_jit()
-def _query_block(x, projection, consts, hyperbolic, proj, ms, lanes, z, u, den):
-    """``u_t = exp(l(q_t) + ms - F_t)`` of one block of queries into ``u``, and their
-    denominators ``den_t = u_t . z`` (``z = S[:, d_v]``).
+def _query_block(x, projection, consts, hyperbolic, proj, ms, lanes, z, u, den, scale):
+    """``u_t = exp(l(q_t) + ms - F_t)`` of one block of queries into ``u``, their
+    denominators ``den_t = u_t . z`` (``z = S[:, d_v]``) and log-scales ``scale_t``: the
+    true ``[num | den]`` is ``exp(scale_t) [u_t S]``.
 
-    ``F_t = max_r (l(q_t) + ms)_r`` absorbs ``l``'s per-row offset, so it is never
-    computed: only the projection.  A row whose ``s |x|^2 / 2`` overflows has no
-    features (``l = -inf``): ``u_t = 0``.
+    ``F_t = max_r (l(q_t) + ms)_r`` absorbs ``l``'s per-row offset ``o_t = s |q_t|^2 / 2
+    + log(m) / 2``, so that is not subtracted from the projection, only from the scale
+    (``scale_t = F_t - o_t``).  A row whose ``s |x|^2 / 2`` overflows has no features
+    (``l = -inf``): ``u_t = 0``.
     """
     root_half_scale = np.sqrt(consts[0])
     _project(x, projection, hyperbolic, proj, u)
-    _query_factors(u, ms, lanes, z, den)
+    _query_factors(u, ms, lanes, z, den, scale)
     for i in range(u.shape[0]):
-        if _half_norm(x[i], root_half_scale) == np.inf:
+        half_norm = _half_norm(x[i], root_half_scale)
+        scale[i] -= half_norm + consts[1]
+        if half_norm == np.inf:
             for r in range(u.shape[1]):
                 u[i, r] = 0
             den[i] = 0
@@ -314,7 +320,9 @@ def _split_state(kv, numerators, z):
 
 
 @_machinery.Variants
-def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out):
+def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, lse):
+    """All heads; ``lse`` (``(batch, L)``, or ``(batch, 0)`` to skip it) gets the log of
+    each row's true denominator, ``-inf`` where the row sees no key."""
     batch, length, _ = q.shape
     m, width = kv.shape[1], kv.shape[2]
     dv = width - 1
@@ -324,6 +332,7 @@ def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out):
         proj, feats, blocks, vecs, product = work
         _absorb_all(k[b], v[b], mask[b], projection, consts, hyperbolic, kv[b], mu[b], work)
         ms, z, den, lanes = vecs[0][:m], vecs[1][:m], vecs[2][:span], vecs[5][:LANES]
+        scale = vecs[3][:span]
         numerators = product.reshape(-1)[: m * dv].reshape((m, dv))
         block = blocks[0].reshape(-1)[: span * dv].reshape((span, dv))
         _safe_shift(mu[b], ms)
@@ -333,9 +342,12 @@ def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out):
             n = s1 - s0
             u = feats[0][:n]
             _query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
-                         u, den[:n])  # fmt: skip
+                         u, den[:n], scale[:n])  # fmt: skip
             np.dot(u, numerators, block[:n])
             _normalise_rows(block[:n], den[:n], out[b][s0:s1])
+            if lse.shape[1]:  # log(0) = -inf: a row that sees no key; NaN stays NaN
+                for i in range(n):
+                    lse[b, s0 + i] = np.log(den[i]) + scale[i]
 
 
 @_jit()
@@ -377,7 +389,7 @@ def _backward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, 
             n = s1 - s0
             u, d_aug, du = feats[0][:n], blocks[0][:n], feats[1][:n]
             _query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
-                         u, vecs[2][:n])  # fmt: skip
+                         u, vecs[2][:n], vecs[3][:n])  # fmt: skip
             _query_cotangents(u, kv[b], out[b][s0:s1], grad[b][s0:s1], d_aug)
             np.dot(d_aug, kv[b].T, du)
             np.dot(u.T, d_aug, product)
@@ -514,7 +526,8 @@ def favor_bidirectional(
     hyperbolic: bool,
     scale: float,
     key_mask: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return_log_normaliser: bool = False,
+) -> tuple[np.ndarray, ...]:
     """Bidirectional FAVOR+ in two compiled passes, features included: no ``L x m`` array.
 
     The same results, up to rounding, as ``FeatureMap.signed_log_features`` followed by
@@ -534,10 +547,14 @@ def favor_bidirectional(
         The softmax scale.
     key_mask : bool ndarray, shape ``(*batch, L_k)``, optional
         True for keys that take part; a query that sees no key gets zeros.
+    return_log_normaliser : bool, default False
+        Also return each row's log-denominator ``log sum_j phi(q_t) . phi(k_j)``
+        (``(*batch, L_q)``, ``-inf`` where the query sees no key): what merging these
+        rows with other partials (exact sink keys) needs.
 
     Returns
     -------
-    (outputs, kv, log_shift)
+    (outputs, kv, log_shift) or (outputs, kv, log_shift, log_normaliser)
         Normalised outputs ``(*batch, L_q, d_v)`` and the state after every key,
         ``(*batch, m, d_v + 1)`` and ``(*batch, m)`` (what the backward takes).
 
@@ -555,14 +572,22 @@ def favor_bidirectional(
     kv = np.zeros((call.n, call.m, call.dv + 1), call.dtype)
     mu = np.full((call.n, call.m), -np.inf, call.dtype)
     out = np.empty((call.n, call.length, call.dv), call.dtype)
+    if not isinstance(return_log_normaliser, bool | np.bool_):
+        raise TypeError(
+            f"return_log_normaliser must be True or False; got {return_log_normaliser!r}"
+        )
+    lse = np.empty((call.n, call.length if return_log_normaliser else 0), call.dtype)
     with _machinery.single_threaded_blas():
-        _forward.run(call.variant, *call.operands(), kv, mu, out)
+        _forward.run(call.variant, *call.operands(), kv, mu, out, lse)
     batch = call.batch
-    return (
+    results = (
         out.reshape((*batch, call.length, call.dv)),
         kv.reshape((*batch, call.m, call.dv + 1)),
         mu.reshape((*batch, call.m)),
     )
+    if return_log_normaliser:
+        return (*results, lse.reshape((*batch, call.length)))
+    return results
 
 
 def favor_bidirectional_backward(

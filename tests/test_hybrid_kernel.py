@@ -209,6 +209,82 @@ def test_bidirectional_kernel_against_a_quadratic_reference(kind: str) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
+def _bidirectional_launches() -> int:
+    from linattn_numba import _bidirectional as kernel
+
+    return sum(kernel._forward.launches.values())
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+@pytest.mark.parametrize(("sinks", "exact"), [(4, False), (0, True), (2, True)])
+def test_bidirectional_sinks_without_a_window_take_the_fused_pass(
+    kind: str, sinks: int, exact: bool
+) -> None:
+    """No window: the far keys are one global state (the fused bidirectional pass, its
+    rows and log-normaliser), merged with the exact keys' partial; as the portable parts."""
+    q, k, v, mask = _inputs()
+    fm = la.FeatureMap(D, 16, kind=kind, seed=1)
+    extra = {}
+    if exact:
+        chosen = np.zeros((BATCH[0], 1, LENGTH), bool)
+        chosen[0, 0, [3, 70, 149]] = chosen[1, 0, [0, 100]] = True
+        extra = {"exact_key_mask": chosen}
+    options = _bidirectional(None, sinks, **extra)
+    before = _bidirectional_launches()
+    got = la.linear_attention(q, k, v, fm, key_mask=mask, **options)
+    assert _bidirectional_launches() == before + 1
+    a = xps.asarray
+    strict = {**options, **{name: a(x) for name, x in extra.items()}}
+    want = la.linear_attention(a(q), a(k), a(v), fm, key_mask=a(mask), **strict)
+    np.testing.assert_allclose(got, np.asarray(want), **FLOAT64)
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    got32 = la.linear_attention(q32, k32, v32, fm, key_mask=mask, **options)
+    assert got32.dtype == np.float32
+    np.testing.assert_allclose(got32, got, **FLOAT32)
+
+
+@pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_bidirectional_log_normaliser_against_a_reference(kind: str, dtype: str) -> None:
+    """``log sum_j phi(q_t) . phi(k_j)`` over the kept keys, written out in float64 with
+    the map's own log-features; ``-inf`` for a row of queries that sees no key, and the
+    outputs those of the plain call."""
+    from linattn_numba import _bidirectional as kernel
+
+    rng = np.random.default_rng(8)
+    q, k = (rng.normal(size=(3, 40, D)).astype(dtype) for _ in range(2))
+    v = rng.normal(size=(3, 40, 5)).astype(dtype)
+    keep = rng.random((3, 40)) > 0.3
+    keep[2] = False  # a batch row with no key
+    fm = la.FeatureMap(D, 16, kind=kind, seed=8)
+    out, _, _, lse = kernel.favor_bidirectional(
+        q, k, v, np.asarray(fm.projection), hyperbolic=kind == "hyperbolic",
+        scale=fm.scale, key_mask=keep, return_log_normaliser=True,
+    )  # fmt: skip
+    log_q, sign_q = fm.signed_log_features(q.astype(np.float64), role="query")
+    log_k, sign_k = fm.signed_log_features(k.astype(np.float64), role="key")
+    assert sign_q is None and sign_k is None  # (positive features: no signs)
+    pairs = log_q[:, :, None, :] + log_k[:, None, :, :]  # (batch, t, j, r)
+    pairs = np.where(keep[:, None, :, None], pairs, -np.inf)
+    top = np.max(pairs, axis=(2, 3), keepdims=True)
+    with np.errstate(invalid="ignore"):  # the row with no key: -inf - -inf
+        want = np.log(np.sum(np.exp(pairs - top), axis=(2, 3))) + top[..., 0, 0]
+    want[2] = -np.inf
+    tolerance = FLOAT64 if dtype == "float64" else {"rtol": 1e-5, "atol": 1e-5}
+    np.testing.assert_allclose(lse[:2], want[:2], **tolerance)
+    assert np.all(lse[2] == -np.inf) and np.all(out[2] == 0)
+    plain, _, _ = kernel.favor_bidirectional(
+        q, k, v, np.asarray(fm.projection), hyperbolic=kind == "hyperbolic",
+        scale=fm.scale, key_mask=keep,
+    )  # fmt: skip
+    assert np.array_equal(out, plain)
+    with pytest.raises(TypeError, match="return_log_normaliser must be True or False; got 1"):
+        kernel.favor_bidirectional(
+            q, k, v, np.asarray(fm.projection), hyperbolic=False, scale=fm.scale,
+            return_log_normaliser=1,
+        )  # fmt: skip
+
+
 def test_bidirectional_bad_inputs_are_named() -> None:
     args = _call()
     for name in ("recent", "recent_values", "span", "kv", "log_shift"):

@@ -44,7 +44,7 @@ def _float32_calls() -> None:
         for causal in (True, False):
             la.linear_attention(q, k, v, fm, causal=causal, key_mask=mask)
             la.linear_attention_vjp(q, k, v, fm, g, causal=causal, key_mask=mask)
-            for window in (4, 20):  # direct loops and blocked windows
+            for window in (None, 4, 20):  # sinks alone, direct loops, blocked windows
                 la.linear_attention(q, k, v, fm, causal=causal, window=window, sink_keys=2)
     la.linear_attention(q, k, v, None, causal=True, window=4)
     la.linear_attention_vjp(q, k, v, None, g, causal=True, window=4)
