@@ -151,3 +151,24 @@ def test_bidirectional_window_against_the_causal_pass(
         ratio = times["bidirectional w=64"] / times["causal"]
         bench.record(benchmark, f"bidirectional window / causal, {label} (goal <= 2.2)", ratio)
     benchmark.pedantic(window, rounds=1, iterations=1)
+
+
+def test_sinks_without_a_window(benchmark: Any, bench: Any, feature_map: la.FeatureMap) -> None:
+    """Bidirectional sinks (4) without a window: the fused pass's rows and log-normaliser
+    merged with the sinks' exact partial, against the plain fused pass and against the
+    array-API parts (``backend="array_api"``), L = 16384, interleaved."""
+    q, k, v = bench.workload(16384)
+    functions = {
+        "plain": lambda: la.linear_attention(q, k, v, feature_map),
+        "4 sinks": lambda: la.linear_attention(q, k, v, feature_map, sink_keys=4),
+        "4 sinks, array-API parts": lambda: la.linear_attention(
+            q, k, v, feature_map, sink_keys=4, backend="array_api"
+        ),
+    }
+    times = bench.best_times(functions, repeat=2)
+    for name, seconds in times.items():
+        bench.record(benchmark, f"L=16384 bidirectional {name} time", 1e3 * seconds, "ms")
+    bench.record(benchmark, "4 sinks / plain", times["4 sinks"] / times["plain"])
+    portable = times["4 sinks, array-API parts"]
+    bench.record(benchmark, "array-API parts / 4 sinks", portable / times["4 sinks"])
+    benchmark.pedantic(functions["4 sinks"], rounds=1, iterations=1)

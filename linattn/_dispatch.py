@@ -474,29 +474,11 @@ def bidirectional_fused(
 
 
 def fused_bidirectional(
-    q: Array,
-    k: Array,
-    v: Array,
-    feature_map: FeatureMap,
-    key_mask: Array | None,
-    *,
-    return_log_normaliser: bool = False,
-) -> Any:
+    q: Array, k: Array, v: Array, feature_map: FeatureMap, key_mask: Array | None
+) -> Array:
     """Normalised bidirectional attention in the fused CPU pass (:func:`bidirectional_fused`):
-    features, state and readout block by block, no ``L x m`` array; compute dtype.
-
-    ``return_log_normaliser`` (NumPy arrays only) also returns each row's
-    log-denominator: ``(outputs, log_normaliser)``.
-    """
+    features, state and readout block by block, no ``L x m`` array; compute dtype."""
     projection, hyperbolic = _fused_map(feature_map)
-    if return_log_normaliser:
-        from linattn_numba import _bidirectional
-
-        out, _, _, lse = _bidirectional.favor_bidirectional(
-            q, k, v, projection, hyperbolic=hyperbolic, scale=feature_map.scale,
-            key_mask=key_mask, return_log_normaliser=True,
-        )  # fmt: skip
-        return out, lse
     if _library(q) == "torch":
         from linattn_numba import _torch
 

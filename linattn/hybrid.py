@@ -446,11 +446,6 @@ class FarPart(Part):
                 return_log_normaliser=True,
             )
             rows = xp.concat([out, xp.ones_like(out[..., :1])], axis=-1)
-        elif not self.causal and self._fused_bidirectional(plan):
-            out, log_scale = _dispatch.fused_bidirectional(
-                q, k, v, self.feature_map, keep, return_log_normaliser=True
-            )
-            rows = xp.concat([out, xp.ones_like(out[..., :1])], axis=-1)
         else:
             log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
             values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
@@ -485,11 +480,6 @@ class FarPart(Part):
         if self.reverse:
             rows, log_scale = xp.flip(rows, axis=-2), xp.flip(log_scale, axis=-1)
         return (rows, log_scale), kv, log_shift
-
-    def _fused_bidirectional(self, plan: _dispatch.Plan) -> bool:
-        """Whether the fused bidirectional pass gives this (non-causal) part's rows: the
-        plan's fused pass on NumPy arrays (its log-normaliser is the rows' log-scale)."""
-        return plan.fused and self.statistics is None and _dispatch._library(self.q) == "numpy"
 
     def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
         from linattn.vjp import _bidirectional_vjp, causal_vjp
@@ -685,13 +675,16 @@ def _no_gradient(d: Array) -> None:
 def hybrid_outputs(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:
     """Normalised outputs of all parts, and the far part's state (``kv``, ``log_shift``).
 
-    Causal parts whose far part runs the fused CPU pass run in one compiled pass
-    (:func:`fused_causal_parts`); all others merge their partials (:func:`hybrid_rows`).
+    Parts whose far keys run a fused CPU pass run in one compiled pass
+    (:func:`fused_causal_parts`, :func:`fused_bidirectional_parts`,
+    :func:`fused_global_parts`); all others merge their partials (:func:`hybrid_rows`).
     """
     fused = fused_causal_parts(xp, found)
     if fused is not None:
         return fused
     fused_out = fused_bidirectional_parts(xp, found)
+    if fused_out is None:
+        fused_out = fused_global_parts(xp, found)
     if fused_out is not None:
         return fused_out, {}
     rows, state = hybrid_rows(xp, found)
@@ -782,6 +775,32 @@ def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array | None:
         hyperbolic=hyperbolic,
         chunk_size=part.chunk_size,
     )
+
+
+def fused_global_parts(xp: Namespace, found: list[Part]) -> Array | None:
+    """Bidirectional sinks (or ``exact_key_mask``'s keys) without a window, and the far
+    keys as one global state, in the fused bidirectional pass
+    (:func:`linattn_numba._bidirectional.favor_bidirectional`, which merges the exact keys
+    per query), or ``None`` where the parts are not those (or the pass cannot run)."""
+    far = [p for p in found if isinstance(p, FarPart)]
+    sinks = [p for p in found if isinstance(p, ExactKeysPart)]
+    if len(far) != 1 or len(sinks) != 1 or len(found) != 2:
+        return None
+    (part,) = far
+    if part.causal or not part.plan.fused or part.statistics is not None:
+        return None
+    if _dispatch._library(part.q) != "numpy":
+        return None
+    from linattn_numba import _bidirectional
+
+    batch = tuple(part.q.shape[:-2])
+    projection, hyperbolic = _dispatch._fused_map(part.feature_map)
+    out, _, _ = _bidirectional.favor_bidirectional(
+        part.q, part.k, part.v, projection, hyperbolic=hyperbolic,
+        scale=part.feature_map.scale, key_mask=part.keep,
+        sinks=_sink_arrays(xp, sinks, part, batch),
+    )  # fmt: skip
+    return out
 
 
 def hybrid_rows(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from numba import prange
 
-from linattn_numba import _machinery
+from linattn_numba import _hybrid, _machinery
 from linattn_numba.cpu import (
     FEATURE_BLOCK,
     _flat,
@@ -52,6 +52,7 @@ from linattn_numba.cpu import (
     _shift_between,
     _without_empty_rows,
     fast_exp,
+    typed,
 )
 
 __all__ = ["favor_bidirectional", "favor_bidirectional_backward"]
@@ -319,13 +320,34 @@ def _split_state(kv, numerators, z):
         z[r] = kv[r, dv]
 
 
+@_jit()
+def _merge_sinks(q, t, sinks, sink_values, visible, window_consts, far, far_scale, work, out):
+    """``out[t]``: query ``t``'s far row ``exp(far_scale) far`` (``[num | den]``) merged
+    with its exact sinks (:func:`linattn_numba._hybrid._exact_rows` with no window)."""
+    scratch, row, later, recent, recent_values, keep = work
+    top = _hybrid._exact_rows(
+        q, q, sink_values, recent, recent_values, keep, sinks, sink_values, visible, t, -1, 0,
+        window_consts, scratch, row[0],
+    )  # fmt: skip
+    _hybrid._merge_into(
+        far, 0, far_scale, later, 0, typed(-np.inf, far_scale), row, 0, row[0, out.shape[1]], top,
+        window_consts[0], out, t,
+    )  # fmt: skip
+
+
 @_machinery.Variants
-def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, lse):
+def _forward(
+    q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, lse, sinks, sink_values,
+    visible, window_consts,
+):  # fmt: skip
     """All heads; ``lse`` (``(batch, L)``, or ``(batch, 0)`` to skip it) gets the log of
-    each row's true denominator, ``-inf`` where the row sees no key."""
-    batch, length, _ = q.shape
+    each row's true denominator over the feature-map keys, ``-inf`` where the row sees
+    none.  Sinks (``(batch, S, d)`` keys, their values, ``visible`` ``(batch, L, S)``) are
+    attended exactly and merged per query (``S = 0``: none)."""
+    batch, length, d = q.shape
     m, width = kv.shape[1], kv.shape[2]
     dv = width - 1
+    count = sinks.shape[1]
     span = min(FEATURE_BLOCK, max(length, k.shape[1], 1))
     for b in prange(batch):
         work = _workspace(span, m, projection.shape[0], hyperbolic, width, q.dtype)
@@ -335,6 +357,11 @@ def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, lse):
         scale = vecs[3][:span]
         numerators = product.reshape(-1)[: m * dv].reshape((m, dv))
         block = blocks[0].reshape(-1)[: span * dv].reshape((span, dv))
+        far = blocks[1][:1]
+        sink_work = (
+            np.empty(count, q.dtype), np.empty((1, width), q.dtype), np.zeros((1, width), q.dtype),
+            np.empty((0, d), q.dtype), np.empty((0, dv), q.dtype), mask[b],
+        )  # fmt: skip
         _safe_shift(mu[b], ms)
         _split_state(kv[b], numerators, z)
         for s0 in range(0, length, span):
@@ -344,10 +371,18 @@ def _forward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, lse):
             _query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
                          u, den[:n], scale[:n])  # fmt: skip
             np.dot(u, numerators, block[:n])
-            _normalise_rows(block[:n], den[:n], out[b][s0:s1])
             if lse.shape[1]:  # log(0) = -inf: a row that sees no key; NaN stays NaN
                 for i in range(n):
                     lse[b, s0 + i] = np.log(den[i]) + scale[i]
+            if count == 0:
+                _normalise_rows(block[:n], den[:n], out[b][s0:s1])
+                continue
+            for i in range(n):
+                for e in range(dv):
+                    far[0, e] = block[i, e]
+                far[0, dv] = den[i]
+                _merge_sinks(q[b], s0 + i, sinks[b], sink_values[b], visible[b], window_consts,
+                             far, scale[i], sink_work, out[b])  # fmt: skip
 
 
 @_jit()
@@ -502,6 +537,41 @@ class _Call:
     def operands(self) -> tuple[Any, ...]:
         return (self.q, self.k, self.v, self.mask, self.projection, self.consts, self.hyperbolic)
 
+    def sinks(self, sinks: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The checked, flattened ``(keys, values, visible)`` of exact keys (none: empty)."""
+        if sinks is None:
+            return (
+                np.zeros((self.n, 0, self.d), self.dtype),
+                np.zeros((self.n, 0, self.dv), self.dtype),
+                np.zeros((self.n, self.length, 0), np.bool_),
+            )
+        if not isinstance(sinks, tuple) or len(sinks) != 3:
+            raise TypeError(f"sinks must be a tuple (keys, values, visible); got {sinks!r}")
+        keys, values, visible = sinks
+        for name, x in (("sink keys", keys), ("sink values", values), ("visible", visible)):
+            if not isinstance(x, np.ndarray):
+                raise TypeError(
+                    f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
+                )
+        if visible.dtype != np.bool_:
+            raise TypeError(f"visible must have dtype bool; got {visible.dtype}")
+        count = keys.shape[-2] if keys.ndim >= 2 else -1
+        expected = {
+            "sink keys": (keys, (count, self.d)),
+            "sink values": (values, (count, self.dv)),
+            "visible": (visible, (self.length, count)),
+        }
+        for name, (x, tail) in expected.items():
+            if x.ndim < 2 or tuple(x.shape[-2:]) != tail:
+                raise ValueError(f"{name} must have shape (*batch, {tail[0]}, {tail[1]}); "
+                                 f"got {x.shape}")  # fmt: skip
+        return (
+            self.shaped(keys, count, self.d),
+            self.shaped(values, count, self.dv),
+            _flat(np.broadcast_to(visible, (*self.batch, self.length, count)),
+                  (self.n, self.length, count), None),
+        )  # fmt: skip
+
     def shaped(self, x: np.ndarray, *tail: int) -> np.ndarray:
         """A checked flat array ``(n, *tail)`` in the compute dtype, C-contiguous."""
         return _flat(np.broadcast_to(x, (*self.batch, *tail)), (self.n, *tail), self.dtype)
@@ -527,6 +597,7 @@ def favor_bidirectional(
     scale: float,
     key_mask: np.ndarray | None = None,
     return_log_normaliser: bool = False,
+    sinks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Bidirectional FAVOR+ in two compiled passes, features included: no ``L x m`` array.
 
@@ -550,7 +621,12 @@ def favor_bidirectional(
     return_log_normaliser : bool, default False
         Also return each row's log-denominator ``log sum_j phi(q_t) . phi(k_j)``
         (``(*batch, L_q)``, ``-inf`` where the query sees no key): what merging these
-        rows with other partials (exact sink keys) needs.
+        rows with other partials needs (over the feature-map keys alone).
+    sinks : (keys, values, visible), optional
+        Keys attended exactly, ``(*batch, S, d)``, their values ``(*batch, S, d_v)`` and
+        ``visible`` ``(*batch, L_q, S)`` (bool): each query's exact weights
+        ``exp(scale q . k)`` are merged with its feature-map row as online softmax does
+        (keep them out of ``key_mask``: a key in both counts twice).
 
     Returns
     -------
@@ -577,8 +653,10 @@ def favor_bidirectional(
             f"return_log_normaliser must be True or False; got {return_log_normaliser!r}"
         )
     lse = np.empty((call.n, call.length if return_log_normaliser else 0), call.dtype)
+    exact = call.sinks(sinks)
+    window_consts = np.array([0.0, -np.inf, scale], dtype=call.dtype)
     with _machinery.single_threaded_blas():
-        _forward.run(call.variant, *call.operands(), kv, mu, out, lse)
+        _forward.run(call.variant, *call.operands(), kv, mu, out, lse, *exact, window_consts)
     batch = call.batch
     results = (
         out.reshape((*batch, call.length, call.dv)),

@@ -156,8 +156,8 @@ def test_bidirectional_kernel_equals_the_portable_parts(
     np.testing.assert_allclose(got32, got, **FLOAT32)
 
 
-@pytest.mark.parametrize("window", [4, _hybrid.BLOCKED_SPAN])  # direct loops; products
-def test_bidirectional_any_chunk_and_masked_keys_never_reach_a_row(window: int) -> None:
+@pytest.mark.parametrize("window", [4, _hybrid.BLOCKED_SPAN, None])  # loops; products; none
+def test_bidirectional_any_chunk_and_masked_keys_never_reach_a_row(window: int | None) -> None:
     q, k, v, mask = _inputs(seed=5)
     fm = la.FeatureMap(D, 16, seed=5)
     clean = la.linear_attention(q, k, v, fm, key_mask=mask, **_bidirectional(window, 2))
@@ -278,6 +278,18 @@ def test_bidirectional_log_normaliser_against_a_reference(kind: str, dtype: str)
         scale=fm.scale, key_mask=keep,
     )  # fmt: skip
     assert np.array_equal(out, plain)
+    keys, values, seen = k[:, :2], v[:, :2], np.ones((3, 40, 2), bool)
+    for bad, error, message in [
+        ((keys, values), TypeError, "sinks must be a tuple"),
+        ((keys, v[:, :3], seen), ValueError, r"sink values must have shape \(\*batch, 2, 5\)"),
+        ((keys, values, seen[:, :7]), ValueError, r"visible must have shape \(\*batch, 40, 2\)"),
+        ((keys, values, seen.astype(int)), TypeError, "visible must have dtype bool"),
+    ]:
+        with pytest.raises(error, match=message):
+            kernel.favor_bidirectional(
+                q, k, v, np.asarray(fm.projection), hyperbolic=False, scale=fm.scale,
+                sinks=bad,
+            )  # fmt: skip
     with pytest.raises(TypeError, match="return_log_normaliser must be True or False; got 1"):
         kernel.favor_bidirectional(
             q, k, v, np.asarray(fm.projection), hyperbolic=False, scale=fm.scale,
