@@ -8,6 +8,8 @@ the two agree to rounding; float32 is held to float64.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,32 @@ def _bidirectional(window: int | None, sinks: int, chunk_size: int = 16, **extra
     return {**_options(window, sinks, chunk_size), "causal": False, **extra}
 
 
+def _bidirectional_against_the_portable_parts(
+    kind: str, window: int | None, sinks: int, exact: bool, launches: Any
+) -> None:
+    """One kernel launch (counted by ``launches``), equal to the portable parts on
+    ``array_api_strict`` (float64), float32 held to float64."""
+    q, k, v, mask = _inputs()
+    fm = la.FeatureMap(D, 16, kind=kind, seed=1)
+    extra = {}
+    if exact:
+        chosen = np.zeros((BATCH[0], 1, LENGTH), bool)
+        chosen[0, 0, [3, 70, 149]] = chosen[1, 0, [0, 100]] = True
+        extra = {"exact_key_mask": chosen}
+    options = _bidirectional(window, sinks, **extra)
+    before = launches()
+    got = la.linear_attention(q, k, v, fm, key_mask=mask, **options)
+    assert launches() == before + 1
+    a = xps.asarray
+    strict = {**options, **{name: a(x) for name, x in extra.items()}}
+    want = la.linear_attention(a(q), a(k), a(v), fm, key_mask=a(mask), **strict)
+    np.testing.assert_allclose(got, np.asarray(want), **FLOAT64)
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    got32 = la.linear_attention(q32, k32, v32, fm, key_mask=mask, **options)
+    assert got32.dtype == np.float32
+    np.testing.assert_allclose(got32, got, **FLOAT32)
+
+
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
 @pytest.mark.parametrize(
     ("window", "sinks", "exact"),
@@ -135,25 +163,7 @@ def test_bidirectional_kernel_equals_the_portable_parts(
 ) -> None:
     """Windows of ``2 w - 1`` keys: 9 and 23 (direct loops, products), 79 and 1 (edges),
     one beyond the sequence; sinks, and ``exact_key_mask``'s gathered keys."""
-    q, k, v, mask = _inputs()
-    fm = la.FeatureMap(D, 16, kind=kind, seed=1)
-    extra = {}
-    if exact:
-        chosen = np.zeros((BATCH[0], 1, LENGTH), bool)
-        chosen[0, 0, [3, 70, 149]] = chosen[1, 0, [0, 100]] = True
-        extra = {"exact_key_mask": chosen}
-    options = _bidirectional(window, sinks, **extra)
-    before = _launches()
-    got = la.linear_attention(q, k, v, fm, key_mask=mask, **options)
-    assert _launches() == before + 1
-    a = xps.asarray
-    strict = {**options, **{name: a(x) for name, x in extra.items()}}
-    want = la.linear_attention(a(q), a(k), a(v), fm, key_mask=a(mask), **strict)
-    np.testing.assert_allclose(got, np.asarray(want), **FLOAT64)
-    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
-    got32 = la.linear_attention(q32, k32, v32, fm, key_mask=mask, **options)
-    assert got32.dtype == np.float32
-    np.testing.assert_allclose(got32, got, **FLOAT32)
+    _bidirectional_against_the_portable_parts(kind, window, sinks, exact, _launches)
 
 
 @pytest.mark.parametrize("window", [4, _hybrid.BLOCKED_SPAN, None])  # loops; products; none
@@ -220,27 +230,9 @@ def _bidirectional_launches() -> int:
 def test_bidirectional_sinks_without_a_window_take_the_fused_pass(
     kind: str, sinks: int, exact: bool
 ) -> None:
-    """No window: the far keys are one global state (the fused bidirectional pass, its
-    rows and log-normaliser), merged with the exact keys' partial; as the portable parts."""
-    q, k, v, mask = _inputs()
-    fm = la.FeatureMap(D, 16, kind=kind, seed=1)
-    extra = {}
-    if exact:
-        chosen = np.zeros((BATCH[0], 1, LENGTH), bool)
-        chosen[0, 0, [3, 70, 149]] = chosen[1, 0, [0, 100]] = True
-        extra = {"exact_key_mask": chosen}
-    options = _bidirectional(None, sinks, **extra)
-    before = _bidirectional_launches()
-    got = la.linear_attention(q, k, v, fm, key_mask=mask, **options)
-    assert _bidirectional_launches() == before + 1
-    a = xps.asarray
-    strict = {**options, **{name: a(x) for name, x in extra.items()}}
-    want = la.linear_attention(a(q), a(k), a(v), fm, key_mask=a(mask), **strict)
-    np.testing.assert_allclose(got, np.asarray(want), **FLOAT64)
-    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
-    got32 = la.linear_attention(q32, k32, v32, fm, key_mask=mask, **options)
-    assert got32.dtype == np.float32
-    np.testing.assert_allclose(got32, got, **FLOAT32)
+    """No window: the far keys are one global state, and the fused bidirectional pass
+    merges each query's exact keys with its row; as the portable parts."""
+    _bidirectional_against_the_portable_parts(kind, None, sinks, exact, _bidirectional_launches)
 
 
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
