@@ -240,20 +240,13 @@ def _workspace(span, m, rows, hyperbolic, width, dtype):
 
 @_jit()
 def _key_log_features(x, mask, projection, consts, hyperbolic, proj, lk):
-    """``lk = l(k)`` of one block of keys: ``-inf`` rows for masked keys and for keys whose
-    ``s |x|^2 / 2`` overflows."""
-    n, m = lk.shape
-    root_half_scale, log_root_m = np.sqrt(consts[0]), consts[1]
-    _project(x, projection, hyperbolic, proj, lk)
-    for j in range(n):
-        half_norm = _half_norm(x[j], root_half_scale)
-        if half_norm == np.inf or not mask[j]:
-            for r in range(m):
+    """``lk = l(k)`` of one block of keys (:func:`linattn_numba.cpu._log_features`), ``-inf``
+    rows for masked keys."""
+    _log_features(x, projection, consts, hyperbolic, proj, lk)
+    for j in range(lk.shape[0]):
+        if not mask[j]:
+            for r in range(lk.shape[1]):
                 lk[j, r] = -np.inf
-            continue
-        offset = half_norm + log_root_m
-        for r in range(m):
-            lk[j, r] -= offset
 
 
 @_jit(fastmath=frozenset({"contract", "reassoc"}))

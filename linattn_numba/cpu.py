@@ -452,11 +452,13 @@ def _log_features(x, projection, consts, hyperbolic, proj, out):
                 out[i, r] = -np.inf
             continue
         offset = half_norm + log_root_m
+        if not hyperbolic:  # in place (through two names of one array: 85 vs 75 us a block)
+            for r in range(rows):
+                out[i, r] -= offset
+            continue
         for r in range(rows):
             out[i, r] = target[i, r] - offset
-        if hyperbolic:
-            for r in range(rows):
-                out[i, rows + r] = -target[i, r] - offset
+            out[i, rows + r] = -target[i, r] - offset
 
 
 #: The fused pass computes features for this many tokens at a time (whole chunks): the
