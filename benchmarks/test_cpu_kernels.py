@@ -298,3 +298,34 @@ def test_million_tokens(benchmark: Any, feature_map: la.FeatureMap, bench: Any) 
     extra = figures["peak"] - figures["before"] - figures["outputs"]
     bench.record(benchmark, "L=2^20 H=1 fused peak RSS above inputs+outputs", extra / 2**20, "MiB")
     benchmark.pedantic(fused, args=(*long, feature_map), rounds=1, iterations=1)
+
+
+def test_default_chunk(benchmark: Any, feature_map: la.FeatureMap, bench: Any) -> None:
+    """The CPU kernels' own chunk (``chunk_size=None``: 32 for their forward passes)
+    against 64, the portable paths' and the backward's, at L=16384 through the front door."""
+    from linattn import _dispatch
+    from linattn.vjp import linear_attention_vjp
+
+    q, k, v = bench.workload(LENGTH)
+    grad = np.random.default_rng(3).normal(size=q.shape).astype(np.float32)
+    calls = {
+        "causal": {"causal": True},
+        "bidirectional window 64": {"window": 64},
+        "causal window 64 + 4 sinks": {"causal": True, "window": 64, "sink_keys": 4},
+    }
+    own, other = _dispatch.CPU_FORWARD_CHUNK_SIZE, _dispatch.DEFAULT_CHUNK_SIZE
+    functions = {}
+    for name, options in calls.items():
+        for chunk in (own, other):
+            functions[f"{name}, chunk {chunk}"] = lambda o=options, c=chunk: la.linear_attention(
+                q, k, v, feature_map, **o, chunk_size=c
+            )
+    for chunk in (own, other):
+        functions[f"causal VJP, chunk {chunk}"] = lambda c=chunk: linear_attention_vjp(
+            q, k, v, feature_map, grad, causal=True, chunk_size=c
+        )
+    times = bench.best_times(functions, repeat=3)
+    for name in (*calls, "causal VJP"):
+        ratio = times[f"{name}, chunk {own}"] / times[f"{name}, chunk {other}"]
+        bench.record(benchmark, f"{name}: chunk {own} / chunk {other}", ratio)
+    benchmark.pedantic(functions[f"causal, chunk {own}"], rounds=1, iterations=1)

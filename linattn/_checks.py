@@ -53,11 +53,14 @@ def broadcast_shapes(named: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
         ) from None
 
 
-def check_chunk_size(chunk_size: object) -> int:
+def check_chunk_size(chunk_size: object, default: int | None = None) -> int:
+    """``chunk_size`` as an int; ``None`` is ``default`` (where the caller has one)."""
+    if chunk_size is None and default is not None:
+        return default
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer):
-        raise TypeError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+        raise TypeError(f"chunk_size must be a positive integer or None; got {chunk_size!r}")
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
+        raise ValueError(f"chunk_size must be a positive integer or None; got {chunk_size}")
     return int(chunk_size)
 
 

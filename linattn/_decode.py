@@ -171,8 +171,7 @@ def decode(
         or kv.shape != (*batch, m, value_dim + 1)
         or log_shift.shape != (*batch, m)
         or not _count(state.num_tokens)
-        or not _count(chunk_size)
-        or chunk_size == 0
+        or not (chunk_size is None or (_count(chunk_size) and chunk_size != 0))
     ):
         return None
     if backend is None:
@@ -189,7 +188,7 @@ def decode(
         scale=feature_map.scale,
         kv=kv,
         log_shift=log_shift,
-        chunk_size=int(chunk_size),
+        chunk_size=_dispatch.CPU_FORWARD_CHUNK_SIZE if chunk_size is None else chunk_size,
         consts=constants.consts,
     )
     if not return_state:

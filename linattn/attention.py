@@ -16,7 +16,6 @@ from linattn import _decode, _dispatch, hybrid
 from linattn import causal as causal_path
 from linattn._checks import (
     check_attention_inputs,
-    check_chunk_size,
     check_scale,
     check_state_options,
     check_statistics_for_causal,
@@ -30,7 +29,7 @@ from linattn.state import LinearAttentionState, empty_state
 
 __all__ = ["favor_attention", "linear_attention", "softmax_attention"]
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = _dispatch.DEFAULT_CHUNK_SIZE
 
 #: The fingerprint of states made without a feature map (exact sliding-window attention).
 EXACT_FINGERPRINT = "exact"
@@ -115,7 +114,7 @@ def linear_attention(
     key_mask: Array | None = ...,
     state: LinearAttentionState | None = ...,
     return_state: Literal[False] = ...,
-    chunk_size: int = ...,
+    chunk_size: int | None = ...,
     backend: Backend | None = ...,
     window: int | None = ...,
     sink_keys: int = ...,
@@ -134,7 +133,7 @@ def linear_attention(
     key_mask: Array | None = ...,
     state: LinearAttentionState | None = ...,
     return_state: Literal[True],
-    chunk_size: int = ...,
+    chunk_size: int | None = ...,
     backend: Backend | None = ...,
     window: int | None = ...,
     sink_keys: int = ...,
@@ -152,7 +151,7 @@ def linear_attention(
     key_mask: Array | None = None,
     state: LinearAttentionState | None = None,
     return_state: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     backend: Backend | None = None,
     window: int | None = None,
     sink_keys: int = 0,
@@ -191,9 +190,11 @@ def linear_attention(
         Continue a causal sequence from a state returned by an earlier call.
     return_state : bool, default False
         Also return the state after the last token (causal only).
-    chunk_size : int, default 64
+    chunk_size : int, optional
         Tokens per chunk of the causal algorithm; results do not depend on it beyond
-        rounding.
+        rounding.  By default the path's own: 32 on the Numba CPU kernels' forward
+        passes, 64 elsewhere and whenever torch will differentiate the call
+        (``linattn._dispatch.chunk_size_for``; ``docs/performance.md``).
     backend : {"auto", "numba", "array_api"}, optional
         Who runs causal attention; default ``$LINATTN_BACKEND`` or ``"auto"`` (the
         compiled kernel where it can serve the arrays).
@@ -324,7 +325,7 @@ def linear_attention(
     info = check_attention_inputs(
         q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
     )
-    chunk_size = check_chunk_size(chunk_size)
+    chunk_size = _dispatch.chunk_size_for(plan, chunk_size, q, k, v)
     check_state_options(causal, state, return_state)
     xp = info.xp
     work = compute_dtype(xp, info.dtype)
@@ -424,7 +425,7 @@ def exact_parts_call(
     key_mask: Array | None,
     state: LinearAttentionState | None,
     return_state: bool,
-    chunk_size: int,
+    chunk_size: int | None,
     plan: _dispatch.Plan,
     window: int | None,
     sink_keys: int,
@@ -442,7 +443,7 @@ def exact_parts_call(
     info = check_attention_inputs(
         q, k, v, key_mask=key_mask, causal=causal, head_dim=head_dim, extra=extra
     )
-    chunk_size = check_chunk_size(chunk_size)
+    chunk_size = _dispatch.chunk_size_for(plan, chunk_size, q, k, v)
     check_state_options(causal, state, return_state)
     xp = info.xp
     exact = hybrid.check_exact_parts(
@@ -653,7 +654,7 @@ def favor_attention(
     key_mask: Array | None = None,
     scale: float | None = None,
     seed: int = 0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     backend: Backend | None = None,
     window: int | None = None,
     sink_keys: int = 0,

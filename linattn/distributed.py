@@ -72,7 +72,7 @@ def batch_parallel_attention(
     *,
     causal: bool = False,
     key_mask: Array | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     backend: str | None = None,
 ) -> Array:
     """Linear attention with whole sequences as the unit of work (data parallelism).
@@ -148,7 +148,7 @@ def sequence_parallel_attention(
     key_mask: Array | None = None,
     sequence_chunks: int | None = None,
     lookahead: int = DEFAULT_LOOKAHEAD,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     backend: str | None = None,
 ) -> Array:
     """Linear attention with the sequence axis split across tasks (sequence parallelism).
@@ -218,7 +218,7 @@ def dask_linear_attention(
     key_mask: Array | None = None,
     state: LinearAttentionState | None = None,
     return_state: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     backend: str | None = None,
 ) -> Any:
     """:func:`linattn.linear_attention` for Dask arrays, as a graph over their sequence chunks.
@@ -282,7 +282,7 @@ def dask_linear_attention(
     info = check_attention_inputs(
         q, k, v, key_mask=key_mask, causal=causal, head_dim=feature_map.head_dim, extra=extra
     )
-    check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size, DEFAULT_CHUNK_SIZE)  # (None: each block call's own)
     _dispatch.resolve_backend(backend)
     check_state_options(causal, state, return_state)
     work = compute_dtype(np, np.dtype(info.dtype))
@@ -490,7 +490,7 @@ def _prepare(
     key_mask: Array | None,
     feature_map: FeatureMap,
     causal: bool,
-    chunk_size: int,
+    chunk_size: int | None,
     backend: str | None,
     sequence_chunks: int | None = None,
 ) -> _Inputs:
@@ -537,7 +537,7 @@ def _prepare(
         causal=causal,
         head_dim=feature_map.head_dim,
     )
-    check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size, DEFAULT_CHUNK_SIZE)  # (None: each block call's own)
     _dispatch.resolve_backend(backend)
     if sequence_chunks is not None:
         _check_positive("sequence_chunks", sequence_chunks, " or None")

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from linattn._gqa import grouped
-from linattn.attention import DEFAULT_CHUNK_SIZE, linear_attention
+from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState
@@ -56,7 +56,7 @@ class FastAttention(nnx.Module):
         orthogonal: bool = True,
         scale: float | None = None,
         rebalance: bool | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
     ) -> None:
         kind = kind if kind is not None else ("hyperbolic" if causal else "hyperbolic_oprf")
         rebalance = (not causal) if rebalance is None else rebalance

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional
 
 from linattn._gqa import grouped
-from linattn.attention import DEFAULT_CHUNK_SIZE, linear_attention
+from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState
@@ -89,7 +89,7 @@ class FastAttention(nn.Module):
         norms: str = "chi",
         scale: float | None = None,
         rebalance: bool | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
         backend: str | None = None,
     ) -> None:
         super().__init__()

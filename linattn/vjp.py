@@ -41,7 +41,7 @@ def linear_attention_vjp(
     *,
     causal: bool = False,
     key_mask: Array | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     backend: Backend | None = None,
     window: int | None = None,
     sink_keys: int = 0,
@@ -60,7 +60,8 @@ def linear_attention_vjp(
     grad_output : array, shape ``(..., L_q, d_v)``
         Cotangent of the output, with the output's (broadcast) shape.
     causal, key_mask, chunk_size, backend, window, sink_keys, exact_key_mask, scale
-        As for :func:`linattn.linear_attention` (no state: a whole sequence).
+        As for :func:`linattn.linear_attention` (no state: a whole sequence); a backward
+        pass's ``chunk_size`` is 64 by default on every path.
 
     Returns
     -------
@@ -85,6 +86,7 @@ def linear_attention_vjp(
     """
     if grad_output is None:
         raise TypeError("grad_output must be an array shaped like the output; got None")
+    chunk_size = check_chunk_size(chunk_size, _dispatch.DEFAULT_CHUNK_SIZE)
     if window is not None or sink_keys != 0 or exact_key_mask is not None:
         return _exact_parts_vjp(
             q,
@@ -114,7 +116,6 @@ def linear_attention_vjp(
         head_dim=feature_map.head_dim,
         extra={"grad_output": grad_output},
     )
-    chunk_size = check_chunk_size(chunk_size)
     plan = _dispatch.causal_plan(q, feature_map, backend=backend)
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)

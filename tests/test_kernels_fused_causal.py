@@ -298,3 +298,49 @@ def test_backward_checks_its_cotangents() -> None:
         given = {"outputs": out, "grad_output": out, name: bad}
         with pytest.raises((TypeError, ValueError), match=message):
             fc.backward(q, q, q, w, *state, **given, **opts)
+
+
+def test_default_chunk_is_the_cpu_forward_chunk() -> None:
+    """``chunk_size=None`` runs the Numba CPU forward passes at their own chunk (bit for
+    bit the explicit call), the portable path and the VJP at 64; other chunks round
+    differently, so a default that did not reach the kernel would show."""
+    from linattn import _dispatch
+    from linattn.vjp import linear_attention_vjp
+
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.normal(size=(2, 3, 200, 16)).astype(np.float32) for _ in range(3))
+    fm = la.FeatureMap(16, 64, seed=12)
+    own = _dispatch.CPU_FORWARD_CHUNK_SIZE
+    assert own != _dispatch.DEFAULT_CHUNK_SIZE
+    cases = [
+        ({"causal": True}, own),
+        ({"causal": True, "window": 24, "sink_keys": 2}, own),  # the causal hybrid kernel
+        ({"causal": True, "backend": "array_api"}, _dispatch.DEFAULT_CHUNK_SIZE),
+    ]
+    for options, chunk in cases:
+        default = la.linear_attention(q, k, v, fm, **options)
+        np.testing.assert_array_equal(
+            default, la.linear_attention(q, k, v, fm, **options, chunk_size=chunk)
+        )
+        other = la.linear_attention(q, k, v, fm, **options, chunk_size=96 - chunk)
+        assert not np.array_equal(default, other), options
+        np.testing.assert_allclose(default, other, rtol=1e-4, atol=1e-5)
+    g = rng.normal(size=q.shape).astype(np.float32)
+    for a, b in zip(
+        linear_attention_vjp(q, k, v, fm, g, causal=True),
+        linear_attention_vjp(q, k, v, fm, g, causal=True, chunk_size=_dispatch.DEFAULT_CHUNK_SIZE),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_chunk_size_for_names_the_argument() -> None:
+    from linattn import _dispatch
+
+    plan = _dispatch.causal_plan(np.zeros((2, 8)), la.FeatureMap(8, 16))
+    assert plan.path == "numba-cpu"
+    assert _dispatch.chunk_size_for(plan, None) == _dispatch.CPU_FORWARD_CHUNK_SIZE
+    assert _dispatch.chunk_size_for(plan, np.int64(16)) == 16
+    for bad, error in ((0, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="chunk_size must be a positive integer or None; got"):
+            _dispatch.chunk_size_for(plan, bad)

@@ -349,3 +349,22 @@ def test_hybrid_on_torch_tensors_matches_array_api() -> None:
     expected = torch.autograd.grad(portable.square().sum(), (q, k, v))
     for a, b in zip(grads, expected, strict=True):
         head_close(a, b, RTOL[torch.float64])
+
+
+def test_default_chunk_follows_the_backward() -> None:
+    """``chunk_size=None``: the CPU forward chunk without gradients, the backward's 64
+    when torch will differentiate (bit for bit the explicit calls; the two differ)."""
+    fm = la.FeatureMap(16, 32, seed=13)
+    q, k, v, _ = tensors(torch.float32, length=150)
+    own, backward = _dispatch.CPU_FORWARD_CHUNK_SIZE, _dispatch.DEFAULT_CHUNK_SIZE
+
+    def run(*xs: torch.Tensor, **options: int) -> torch.Tensor:
+        return la.linear_attention(*xs, fm, causal=True, **options).detach()
+
+    plain = run(q, k, v)
+    assert torch.equal(plain, run(q, k, v, chunk_size=own))
+    assert not torch.equal(plain, run(q, k, v, chunk_size=backward))
+    graded = leaves(q, k, v)
+    assert torch.equal(run(*graded), run(*graded, chunk_size=backward))
+    with torch.no_grad():
+        assert torch.equal(run(*graded), plain)
