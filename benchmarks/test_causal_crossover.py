@@ -12,6 +12,9 @@ Why the crossover moves with m: per token the pass does about ``m (4 d + 2 C + 4
 at equal rates it wins from ``L ~ (644 m + 8320) / 128`` (d = d_v = 64, C = 64), that
 is L = 1024 at m = 190, and each factor of rate SDPA has over the pass's small products
 moves that length up by the same factor.
+
+At m = 256 it also times ``linattn.linear_attention(q, k, v, fm, causal=True)`` as users
+call it: the front door's checks and the kernels' own chunk (``chunk_size=None``: 32).
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def test_crossover(benchmark: Any, bench: Any) -> None:
         functions[f"sdpa {length}"] = lambda tq=tq, tk=tk, tv=tv: sdpa(tq, tk, tv, is_causal=True)
         for m, fm in maps.items():
             functions[f"fused {length} {m}"] = lambda q=q, k=k, v=v, fm=fm: _fused(q, k, v, fm)
+        functions[f"default {length}"] = lambda q=q, k=k, v=v: la.linear_attention(
+            q, k, v, maps[256], causal=True
+        )
     times = bench.best_times(functions, repeat=3)
     matmul = 2 * 2048**3 / times["sgemm"]
     bench.record(benchmark, "float32 matmul rate (2048^3, all cores)", matmul / 1e9, "GFLOP/s")
@@ -81,5 +87,9 @@ def test_crossover(benchmark: Any, bench: Any) -> None:
             bench.record(benchmark, f"L={length} m={m} fused time", 1e3 * seconds, "ms")
             bench.record(benchmark, f"L={length} m={m} fused rate / matmul", fused_rate / matmul)
             bench.record(benchmark, f"L={length} m={m} SDPA time / fused time", exact / seconds)
+        default = times[f"default {length}"]
+        bench.record(
+            benchmark, f"L={length} m=256 SDPA time / linear_attention time", exact / default
+        )
         bench.record(benchmark, f"L={length} SDPA time", 1e3 * exact, "ms")
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
