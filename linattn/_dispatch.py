@@ -441,13 +441,65 @@ def fused_causal_vjp(
     >>> dv[0, :, 0].round(4).tolist()  # value t reaches outputs s >= t, weight 1 / (s + 1)
     [2.0833, 1.0833, 0.5833, 0.25]
     """
+    return _fused_causal_backward(
+        q, k, v, feature_map, key_mask, None, grad_output, None, chunk_size=chunk_size
+    )
+
+
+def fused_causal_rows_vjp(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    key_mask: Array | None,
+    outputs: Array,
+    grad_output: Array,
+    grad_log_normaliser: Array,
+    *,
+    chunk_size: int,
+) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of the fused causal pass's normalised ``outputs`` and
+    log-normaliser (from :func:`fused_causal`, no incoming state) for their cotangents:
+    the fused backward alone (no forward), as the hybrid's far parts need it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> x, g = np.zeros((1, 4, 8)), np.ones((1, 4, 8))
+    >>> fm = la.FeatureMap(8, 16)
+    >>> out, *_ = fused_causal(x, x, x, fm, None, np.zeros((1, 16, 9)),
+    ...     np.full((1, 16), -np.inf), chunk_size=2)
+    >>> dv = fused_causal_rows_vjp(x, x, x, fm, None, out, g, np.zeros((1, 4)), chunk_size=2)[2]
+    >>> dv[0, :, 0].round(4).tolist()  # as fused_causal_vjp's
+    [2.0833, 1.0833, 0.5833, 0.25]
+    """
+    return _fused_causal_backward(
+        q, k, v, feature_map, key_mask, outputs, grad_output, grad_log_normaliser,
+        chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def _fused_causal_backward(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    key_mask: Array | None,
+    outputs: Array | None,
+    grad_output: Array,
+    grad_log_normaliser: Array | None,
+    *,
+    chunk_size: int,
+) -> tuple[Array, Array, Array]:
+    """The fused backward from an empty state; ``outputs=None`` runs the forward first."""
     from linattn_numba import _fused_causal
 
-    arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
+    arrays: tuple[Any, ...] = (q, k, v, key_mask, outputs, grad_output, grad_log_normaliser)
     torch_in = _library(q) == "torch"
     if torch_in:
         arrays = tuple(None if x is None else x.detach().numpy() for x in arrays)
-    q, k, v, key_mask, grad_output = arrays
+    q, k, v, key_mask, outputs, grad_output, grad_log_normaliser = arrays
     projection, hyperbolic = _fused_map(feature_map)
     batch = _broadcast_batch(q, k, v, key_mask)
     m, dv = feature_map.num_features, v.shape[-1]
@@ -456,10 +508,12 @@ def fused_causal_vjp(
     log_shift = _empty_shift(batch, m, dtype)
     options: dict[str, Any] = {"hyperbolic": hyperbolic, "scale": feature_map.scale}
     options.update(key_mask=key_mask, chunk_size=chunk_size)
-    out, _, _, _ = _fused_causal.forward(q, k, v, projection, kv, log_shift, **options)
+    if outputs is None:
+        outputs, _, _, _ = _fused_causal.forward(q, k, v, projection, kv, log_shift, **options)
     grads: tuple[Any, ...] = _fused_causal.backward(
-        q, k, v, projection, kv, log_shift, out, grad_output, **options
-    )
+        q, k, v, projection, kv, log_shift, outputs, grad_output, **options,
+        grad_log_normaliser=grad_log_normaliser,
+    )  # fmt: skip
     if torch_in:
         import torch
 

@@ -266,9 +266,10 @@ def _blocked(xp: Namespace, x: Array, total: int, size: int, fill: float | bool)
 class Part:
     """One part of the keys: its partial :meth:`rows`, and the adjoint :meth:`backward`.
 
-    ``backward(g)`` takes the cotangent of the part's rows (its log-scale held constant,
-    as every stabiliser is: the merged output does not depend on it) and returns the
-    cotangents ``(dq, dk, dv)`` of the call's (broadcast) inputs; ``None`` for none.
+    ``backward(g, partial)`` takes the cotangent of the part's rows (its log-scale held
+    constant, as every stabiliser is: the merged output does not depend on it) and the
+    ``partial`` :meth:`rows_for_backward` returned, and returns the cotangents
+    ``(dq, dk, dv)`` of the call's (broadcast) inputs; ``None`` for none.
     """
 
     def rows(self, xp: Namespace) -> Partial:
@@ -278,7 +279,7 @@ class Part:
         """The rows :meth:`backward` differentiates (their scale is the one it assumes)."""
         return self.rows(xp)
 
-    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+    def backward(self, xp: Namespace, g: Array, partial: Partial) -> tuple[Array | None, ...]:
         raise NotImplementedError
 
 
@@ -297,7 +298,7 @@ class ExactKeysPart(Part):
         logits = xp.matmul(self.q, xp.matrix_transpose(self.keys)) * self.scale
         return softmax_partial(xp, logits, self.visible, self.values)
 
-    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+    def backward(self, xp: Namespace, g: Array, partial: Partial) -> tuple[Array | None, ...]:
         logits = xp.matmul(self.q, xp.matrix_transpose(self.keys)) * self.scale
         dq, dk, dv = _softmax_backward(
             xp, self.q, self.keys, self.values, logits, self.visible, self.scale, g
@@ -342,14 +343,13 @@ class WindowPart(Part):
         keys, values = self.band(xp)
         return banded_partial(xp, self.q, keys, values, self.keep, self.span, self.scale)
 
-    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+    def backward(self, xp: Namespace, g: Array, partial: Partial) -> tuple[Array | None, ...]:
         calls = slice(self.first, self.first + self.q.shape[-2])  # the call's own keys
         keys, values = self.band(xp)
         kernel = _dispatch.window_kernel_for(self.q)
-        if kernel is not None:
+        if kernel is not None:  # (partial is this kernel's: rows() ran it)
             args = (self.q, keys, values, self.keep, self.span, self.scale)
-            _, log_scale = kernel.banded_partial(*args)
-            dq, dk, dv = kernel.banded_partial_backward(*args, log_scale, g)
+            dq, dk, dv = kernel.banded_partial_backward(*args, partial[1], g)
             return dq, dk[..., calls, :], dv[..., calls, :]
         band = Band.of(xp, self.q, keys, values, self.keep, self.span)
         logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * self.scale
@@ -414,10 +414,16 @@ class FarPart(Part):
     def rows(self, xp: Namespace) -> Partial:
         return self.run(xp)[0]
 
+    @property
+    def fused_backward(self) -> bool:
+        """Whether :meth:`backward` runs the fused causal backward (its rows ``[o | 1]``
+        with the log-normaliser as their scale); else the portable pass's adjoint."""
+        return self.causal and self.plan.fused and self.lead is None
+
     def rows_for_backward(self, xp: Namespace) -> Partial:
-        # The backward is the portable pass's adjoint: its rows carry that pass's scale
-        # (the fused pass's rows [o | 1] carry another).
-        return self.run(xp, portable=True)[0]
+        # Each backward differentiates its own forward's rows: the fused pass's [o | 1]
+        # and log-normaliser, or the portable pass's rows and scale.
+        return self.run(xp, portable=not self.fused_backward)[0]
 
     def run(self, xp: Namespace, *, portable: bool = False) -> tuple[Partial, Array, Array]:
         """``((P, c), kv, log_shift)``: the partial and the state after the keys.
@@ -481,23 +487,35 @@ class FarPart(Part):
             rows, log_scale = xp.flip(rows, axis=-2), xp.flip(log_scale, axis=-1)
         return (rows, log_scale), kv, log_shift
 
-    def backward(self, xp: Namespace, g: Array) -> tuple[Array | None, ...]:
+    def backward(self, xp: Namespace, g: Array, partial: Partial) -> tuple[Array | None, ...]:
         from linattn.vjp import _bidirectional_vjp, causal_vjp
 
         if self.reverse:
             g = xp.flip(g, axis=-2)
         q, k, v, keep = self.operands(xp)
-        log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
-        values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
-        operands = (log_phi_q, sign_q, log_phi_k, sign_k, values_aug, g)
-        if self.causal:
-            d_lq, d_lk, d_va = causal_vjp(xp, *operands, self.chunk_size)
+        if self.fused_backward:
+            # Rows P = [o | 1] at scale c = lse stand for [num | den] = P exp(c): the
+            # cotangent G of P (c held) is G[:d_v] of o and G[:d_v] . o + G[d_v] of lse.
+            out = partial[0][..., :-1]
+            if self.reverse:
+                out = xp.flip(out, axis=-2)
+            d_out = g[..., :-1]
+            d_lse = xp.sum(d_out * out, axis=-1) + g[..., -1]
+            dq, dk, dv = _dispatch.fused_causal_rows_vjp(
+                q, k, v, self.feature_map, keep, out, d_out, d_lse, chunk_size=self.chunk_size
+            )
         else:
-            d_lq, d_lk, d_va = _bidirectional_vjp(xp, *operands)
-        fm, stats = self.feature_map, self.statistics
-        dq = fm.log_features_vjp(q, d_lq, role="query", statistics=stats)
-        dk = fm.log_features_vjp(k, d_lk, role="key", statistics=stats)
-        dv = d_va[..., :-1]
+            log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
+            values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
+            operands = (log_phi_q, sign_q, log_phi_k, sign_k, values_aug, g)
+            if self.causal:
+                d_lq, d_lk, d_va = causal_vjp(xp, *operands, self.chunk_size)
+            else:
+                d_lq, d_lk, d_va = _bidirectional_vjp(xp, *operands)
+            fm, stats = self.feature_map, self.statistics
+            dq = fm.log_features_vjp(q, d_lq, role="query", statistics=stats)
+            dk = fm.log_features_vjp(k, d_lk, role="key", statistics=stats)
+            dv = d_va[..., :-1]
         if self.causal and self.lag:  # lagged key i is the call's key i - lag
             length = q.shape[-2]
             dk, dv = (
@@ -1001,8 +1019,9 @@ def parts_vjp(
         top = xp.maximum(top, scale)
     top = safe_shift(xp, top)
     totals: list[Array | None] = [None, None, None]
-    for part, (_, scale) in zip(found, partials, strict=True):
-        grads = part.backward(xp, xp.exp(scale - top)[..., None] * g_rows)
+    for part, partial in zip(found, partials, strict=True):
+        scale = partial[1]
+        grads = part.backward(xp, xp.exp(scale - top)[..., None] * g_rows, partial)
         for i, g in enumerate(grads):
             if g is not None:
                 totals[i] = g if totals[i] is None else totals[i] + g

@@ -352,3 +352,40 @@ def _call(**change: object) -> dict:
 def test_bad_inputs_are_named(change: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         _hybrid.causal_forward(**_call(**change))
+
+
+@pytest.mark.parametrize(
+    ("causal", "options", "far_parts"),
+    [
+        (True, {"window": 16, "sink_keys": 3}, 1),
+        (True, {"sink_keys": 2}, 1),
+        (False, {"window": 16, "sink_keys": 2}, 2),  # forward and reverse lagged scans
+    ],
+)
+def test_vjp_far_parts_run_the_fused_backward(
+    monkeypatch: pytest.MonkeyPatch, causal: bool, options: dict, far_parts: int
+) -> None:
+    """On NumPy the hybrid VJP's far parts run the fused causal backward (one call each,
+    never the portable ``causal_vjp`` on ``L x m`` features), and its gradients equal
+    the portable parts' adjoints (``backend="array_api"``)."""
+    from linattn import vjp
+
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.normal(size=(*BATCH, LENGTH, D)) for _ in range(3))
+    mask = rng.random((*BATCH, LENGTH)) > 0.2
+    g = rng.normal(size=q.shape)
+    fm = la.FeatureMap(D, 16, seed=21)
+    kw = {"causal": causal, "key_mask": mask, "chunk_size": 16, **options}
+    expected = la.linear_attention_vjp(q, k, v, fm, g, **kw, backend="array_api")
+    calls: list[str] = []
+    fused, portable = _dispatch.fused_causal_rows_vjp, vjp.causal_vjp
+
+    def spy(name: str, function: Any) -> Any:
+        return lambda *a, **o: calls.append(name) or function(*a, **o)
+
+    monkeypatch.setattr(_dispatch, "fused_causal_rows_vjp", spy("fused", fused))
+    monkeypatch.setattr(vjp, "causal_vjp", spy("portable", portable))
+    got = la.linear_attention_vjp(q, k, v, fm, g, **kw)
+    assert calls == ["fused"] * far_parts
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, **FLOAT64)
