@@ -88,3 +88,31 @@ def test_hybrid_against_random_features_alone(
             times["hybrid"] / times["random features"],
         )
     benchmark.pedantic(hybrid, rounds=1, iterations=1)
+
+
+def test_hybrid_vjp_against_random_features_alone(
+    benchmark: Any, bench: Any, feature_map: la.FeatureMap
+) -> None:
+    """The hybrid's VJP (window, sinks and far parts' adjoints; the far parts by the fused
+    causal backward) against random features' VJP alone, causal and bidirectional."""
+    q, k, v = bench.workload(LENGTHS[0])
+    grad = np.random.default_rng(3).normal(size=q.shape).astype(np.float32)
+
+    def vjp(causal: bool, **options: int) -> Any:
+        return lambda: la.linear_attention_vjp(
+            q, k, v, feature_map, grad, causal=causal, **options
+        )
+
+    functions = {
+        "causal hybrid": vjp(True, window=WINDOW, sink_keys=SINKS),
+        "causal random features": vjp(True),
+        "bidirectional hybrid": vjp(False, window=WINDOW, sink_keys=SINKS),
+        "bidirectional random features": vjp(False),
+    }
+    times = bench.best_times(functions, repeat=2, clock=time.process_time)
+    for name, seconds in times.items():
+        bench.record(benchmark, f"L={LENGTHS[0]} {name} VJP CPU time", 1e3 * seconds, "ms")
+    for kind in ("causal", "bidirectional"):
+        ratio = times[f"{kind} hybrid"] / times[f"{kind} random features"]
+        bench.record(benchmark, f"{kind} hybrid VJP / random features VJP, CPU time", ratio)
+    benchmark.pedantic(functions["causal hybrid"], rounds=1, iterations=1)
