@@ -7,9 +7,11 @@ unpinned ``torch`` pulls a multi-GB CUDA build).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 
 import nox
@@ -43,6 +45,16 @@ TEST = ("pytest>=8", "hypothesis>=6.100", "array-api-strict>=2.2")
 #: session ends: the default set's environments take about 12 GB together, one at a time
 #: at most 2 GB.
 DISCARD_VENVS = bool(os.environ.get("CI"))
+#: One Numba compile cache per nox run, shared by its sessions (nox imports this file once
+#: per run): the kernels compiled by one session's tests are loaded, not compiled again, by
+#: its doctest run and by the later sessions.  A fresh directory, removed at exit, so that
+#: nothing compiled outside this run (another checkout, another Numba) is ever loaded.
+#: Numba keys each entry by the source file's path and time stamp, and every session's
+#: editable install points at this checkout.
+NUMBA_CACHE_DIR = tempfile.mkdtemp(prefix="linattn-numba-cache-")
+atexit.register(shutil.rmtree, NUMBA_CACHE_DIR, ignore_errors=True)
+#: The environment every session's commands get: the cache above, switched on.
+CACHE_ENV = {"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR, "LINATTN_NUMBA_CACHE": "1"}
 
 
 def session(
@@ -53,6 +65,7 @@ def session(
     def decorate(func: Callable[[nox.Session], None]) -> object:
         @functools.wraps(func)
         def run(session: nox.Session) -> None:
+            session.env.update(CACHE_ENV)
             try:
                 func(session)
             finally:

@@ -65,9 +65,15 @@ if __name__ == "__main__":
 """
 
 
-def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _run(
+    argv: list[str], env: dict[str, str], timeout: float, *, keep_cache: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` in a fresh interpreter; the compile cache setting is dropped from the
+    environment unless ``keep_cache`` (the programs below only need their kernels compiled:
+    under nox they load them from the run's cache)."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    environment.pop(_machinery.CACHE_VARIABLE, None)
+    if not keep_cache:
+        environment.pop(_machinery.CACHE_VARIABLE, None)
     environment.update(env)
     try:
         return subprocess.run(
@@ -83,7 +89,7 @@ def test_forked_children_compute_like_their_parent(tmp_path: Path) -> None:
     children and the pool hung)."""
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
-    done = _run([str(script), "fork"], {}, timeout=240)
+    done = _run([str(script), "fork"], {}, timeout=240, keep_cache=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -92,7 +98,10 @@ def test_thread_pool_with_the_workqueue_layer(tmp_path: Path) -> None:
     thread-safe (it aborted the interpreter)."""
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
-    done = _run([str(script), "threads"], {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=240)
+    done = _run(
+        [str(script), "threads"], {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=240,
+        keep_cache=True,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -193,9 +202,14 @@ def test_concurrent_kernels_leave_blas_threads_as_they_were() -> None:
     assert restored == original
 
 
-def test_info_shows_the_threading_layer_and_cache(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("cache", [False, True])
+def test_info_shows_the_threading_layer_and_cache(
+    cache: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (the setting is read at import; nox runs the suite with the cache on)
+    monkeypatch.setattr(_machinery, "CACHE", cache)
     assert cli.main(["info", "--format", "json"]) == 0
     cpu_kernel = json.loads(capsys.readouterr().out)["kernels"]["numba-cpu"]
     assert cpu_kernel.startswith("available; ")
     assert f"threading layer {_machinery.threading_layer()}" in cpu_kernel
-    assert "compile cache off" in cpu_kernel
+    assert ("compile cache on" if cache else "compile cache off") in cpu_kernel
