@@ -6,6 +6,7 @@ arrays and return the caller's array type on the caller's device.
 
 from linattn import _jax
 from linattn._dispatch import Plan, causal_plan
+from linattn._plan import AttentionPlan, plan_attention
 from linattn.attention import favor_attention, linear_attention, softmax_attention
 from linattn.features import KINDS, FeatureMap
 from linattn.projections import gaussian_projection
@@ -14,6 +15,7 @@ from linattn.vjp import linear_attention_vjp
 
 __all__ = [
     "KINDS",
+    "AttentionPlan",
     "FeatureMap",
     "LinearAttentionState",
     "Plan",
@@ -23,6 +25,7 @@ __all__ = [
     "gaussian_projection",
     "linear_attention",
     "linear_attention_vjp",
+    "plan_attention",
     "softmax_attention",
 ]
 

@@ -4,10 +4,11 @@ A decoder calls ``linear_attention(q, k, v, fm, causal=True, state=s, return_sta
 once per generated token, with ``L = 1``.  The general path spends most of such a call
 in checks, broadcasting and dispatch that do not depend on ``L``; this path serves the
 common case with a handful of exact tests (types, dtypes, shapes that already agree) and
-one compiled kernel (:func:`linattn_numba._decode.decode_step`), and caches what depends
+one compiled kernel (:func:`linattn._dispatch.decode_kernel`), and caches what depends
 only on the feature map.  Anything else (a broadcast, a mixed dtype, a wrong shape, an
-unknown backend) returns ``None``, and the general path runs: its checks give the
-errors, so an error reads the same whichever path the call was meant for.
+unknown backend) is a reason of :func:`why_not` (``linattn._plan`` asks it), and the
+general path runs: its checks give the errors, so an error reads the same whichever
+path the call was meant for.
 
 It applies to causal calls with a state, at most :data:`MAX_TOKENS` new tokens, NumPy
 float32 or float64 arrays of one dtype, leading shapes equal to the state's, a
@@ -19,7 +20,6 @@ bit for bit (the fused pass's products on the same features).
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,7 +28,7 @@ from linattn import _dispatch
 from linattn.features import FeatureMap
 from linattn.state import LinearAttentionState
 
-__all__ = ["MAX_TOKENS", "decode"]
+__all__ = ["MAX_TOKENS", "step", "why_not"]
 
 #: The most new tokens per call that take this path: beyond, the general path's fixed
 #: costs are small next to the work (one chunk of 16 tokens costs about as much as its
@@ -55,7 +55,6 @@ class _MapConstants(NamedTuple):
 #: it.  The fingerprint covers kind, scale, sizes, statistics and projection, everything
 #: that decides either.
 _MAPS: dict[tuple[str, np.dtype], _MapConstants | None] = {}
-_KERNEL: list[Any] = []
 
 
 def _map_constants(feature_map: FeatureMap, dtype: np.dtype) -> _MapConstants | None:
@@ -79,40 +78,24 @@ def _map_constants(feature_map: FeatureMap, dtype: np.dtype) -> _MapConstants | 
     return _MAPS[key]
 
 
-def _kernel() -> Any:
-    """:func:`linattn_numba._decode.decode_step`, or None where numba is missing."""
-    if not _KERNEL:
-        try:
-            from linattn_numba import _decode as compiled
-        except ImportError:
-            _KERNEL.append(None)
-        else:
-            _KERNEL.append(compiled.decode_step)
-    return _KERNEL[0]
-
-
 def _count(x: object) -> bool:
     """A non-negative Python or NumPy integer (not a bool)."""
     return not isinstance(x, bool) and isinstance(x, int | np.integer) and bool(x >= 0)
 
 
-def decode(
-    q: Any,
-    k: Any,
-    v: Any,
-    feature_map: Any,
-    *,
-    causal: Any,
-    key_mask: Any,
-    state: Any,
-    return_state: Any,
+def why_not(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    feature_map: FeatureMap,
+    key_mask: np.ndarray | None,
+    state: LinearAttentionState,
     chunk_size: Any,
-    backend: Any,
-) -> Any:
-    """``linear_attention``'s result for a few tokens after a state, or ``None``.
+) -> str | None:
+    """Why the decoding step cannot take these NumPy arrays, or ``None`` where it can.
 
-    Takes :func:`linattn.linear_attention`'s arguments; ``None`` means "not this
-    path" (the general path then runs and raises any error).
+    Exact tests only (types, dtypes, shapes that already agree): anything else goes to
+    the general path, whose checks give the errors.
 
     Examples
     --------
@@ -122,49 +105,26 @@ def decode(
     >>> x = np.random.default_rng(0).normal(size=(2, 5, 8))
     >>> _, state = la.linear_attention(x, x, x, fm, causal=True, return_state=True)
     >>> t = x[:, -1:]
-    >>> out, after = decode(t, t, t, fm, causal=True, key_mask=None, state=state,
-    ...     return_state=True, chunk_size=64, backend=None)
-    >>> out.shape, after.num_tokens
-    ((2, 1, 8), 6)
-    >>> decode(t, t, t, fm, causal=True, key_mask=None, state=state,
-    ...     return_state=True, chunk_size=64, backend="array_api") is None
+    >>> why_not(t, t, t, fm, None, state, None) is None
     True
+    >>> why_not(x[:, :1], t, t, fm, None, state, None)
+    'q, k, v and the state are not of one float dtype'
     """
-    if (
-        causal is not True
-        or not isinstance(state, LinearAttentionState)
-        or state.window is not None
-        or state.sink_keys
-        or not isinstance(feature_map, FeatureMap)
-        or not (return_state is True or return_state is False)
-        or not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray)
-    ):
-        return None
     kv, log_shift = state.kv, state.log_shift
     dtype = q.dtype
-    if (
-        type(kv) is not np.ndarray
-        or type(log_shift) is not np.ndarray
-        or dtype not in _DTYPES
-        or not (k.dtype == v.dtype == kv.dtype == log_shift.dtype == dtype)
-    ):
-        return None
+    if dtype not in _DTYPES or not (k.dtype == v.dtype == kv.dtype == log_shift.dtype == dtype):
+        return "q, k, v and the state are not of one float dtype"
     shape = q.shape
     if len(shape) < 2 or not 1 <= shape[-2] <= MAX_TOKENS or k.shape != shape:
-        return None
-    batch, length = shape[:-2], shape[-2]
-    value_dim = v.shape[-1]
+        return f"not 1 to {MAX_TOKENS} new tokens with k shaped like q"
+    batch, value_dim = shape[:-2], v.shape[-1]
     if v.shape[:-1] != shape[:-1] or value_dim < 1:
-        return None
-    if key_mask is not None and (
-        type(key_mask) is not np.ndarray
-        or key_mask.dtype != np.bool_
-        or key_mask.shape != shape[:-1]
-    ):
-        return None
+        return "v not shaped like q"
+    if key_mask is not None and (key_mask.dtype != np.bool_ or key_mask.shape != shape[:-1]):
+        return "key_mask not a boolean array of q.shape[:-1]"
     constants = _map_constants(feature_map, dtype)
     if constants is None or shape[-1] != constants.head_dim:
-        return None
+        return "a map the fused pass does not compute"
     m = constants.num_features
     if (
         state.feature_map != feature_map.fingerprint
@@ -173,12 +133,25 @@ def decode(
         or not _count(state.num_tokens)
         or not (chunk_size is None or (_count(chunk_size) and chunk_size != 0))
     ):
-        return None
-    if backend is None:
-        backend = os.environ.get(_dispatch.ENVIRONMENT_VARIABLE, "auto")
-    if backend not in ("auto", "numba") or (step := _kernel()) is None:
-        return None
-    out, kv, log_shift = step(
+        return "a state or chunk_size that does not match the call as it is"
+    return None
+
+
+def step(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    feature_map: FeatureMap,
+    key_mask: np.ndarray | None,
+    state: LinearAttentionState,
+    chunk_size: int | None,
+) -> tuple[np.ndarray, LinearAttentionState]:
+    """The outputs of a few tokens after ``state``, and the state after them, in one
+    kernel call; for the arguments :func:`why_not` accepts."""
+    constants = _map_constants(feature_map, q.dtype)
+    assert constants is not None
+    kernel = _dispatch.decode_kernel()
+    out, kv, log_shift = kernel(
         q,
         k,
         v,
@@ -186,16 +159,14 @@ def decode(
         constants.projection,
         hyperbolic=constants.hyperbolic,
         scale=feature_map.scale,
-        kv=kv,
-        log_shift=log_shift,
+        kv=state.kv,
+        log_shift=state.log_shift,
         chunk_size=_dispatch.CPU_FORWARD_CHUNK_SIZE if chunk_size is None else chunk_size,
         consts=constants.consts,
     )
-    if not return_state:
-        return out
     return out, LinearAttentionState(
         kv=kv,
         log_shift=log_shift,
         feature_map=state.feature_map,
-        num_tokens=state.num_tokens + length,
+        num_tokens=state.num_tokens + q.shape[-2],
     )

@@ -215,13 +215,13 @@ def causal_plan(
                 f"({type(x).__module__}.{type(x).__name__}): {reason}"
             )
         return _portable(x, feature_map, reason)
-    on_gpu = _library(x) == "cupy" or getattr(getattr(x, "device", None), "type", "") == "cuda"
+    on_gpu = library_of(x) == "cupy" or getattr(getattr(x, "device", None), "type", "") == "cuda"
     return Plan(
         "numba-cuda" if on_gpu else "numba-cpu",
-        f"the compiled {'CUDA' if on_gpu else 'CPU'} kernel serves {_library(x)} arrays",
+        f"the compiled {'CUDA' if on_gpu else 'CPU'} kernel serves {library_of(x)} arrays",
         fused=_fused(x, feature_map),
         kernel=kernel,
-        backward=_numpy_backward() if _library(x) == "numpy" else None,
+        backward=_numpy_backward() if library_of(x) == "numpy" else None,
     )
 
 
@@ -286,7 +286,7 @@ def _portable(x: Array, feature_map: FeatureMap | None, reason: str) -> Plan:
 
 def _tokens_per_pass(x: Array) -> int | None:
     """Groups of tokens for eager CPU arrays; one pass on GPUs and while torch compiles."""
-    library = _library(x)
+    library = library_of(x)
     if library == "torch":
         import torch
 
@@ -301,7 +301,7 @@ def _fused(x: Array, feature_map: FeatureMap | None) -> bool:
     """The fused CPU pass takes NumPy arrays, torch CPU tensors (differentiable through
     the fused backward, ``linattn::causal_fused_backward``) and the maps of
     :func:`fused_map`."""
-    library = _library(x)
+    library = library_of(x)
     on_cpu = library == "numpy" or (library == "torch" and x.device.type == "cpu")
     return feature_map is not None and on_cpu and fused_map(feature_map)
 
@@ -337,7 +337,7 @@ def window_kernel_for(x: Array) -> Any:
     and ``banded_partial_backward`` have the contract of ``linattn.hybrid.banded_partial``
     and of its adjoint.
     """
-    if _library(x) != "numpy" or resolve_backend(None) == "array_api":
+    if library_of(x) != "numpy" or resolve_backend(None) == "array_api":
         return None
     try:
         from linattn_numba import _window
@@ -356,13 +356,55 @@ def hybrid_kernel_for(x: Array) -> Any:
     return _hybrid
 
 
+def hybrid_kernel_why_not(x: Array) -> str | None:
+    """Why the one-pass hybrid kernels cannot take arrays like ``x``, or ``None``."""
+    if library_of(x) != "numpy":
+        return "the one-pass hybrid kernels take NumPy arrays"
+    if resolve_backend(None) == "array_api":
+        return f"${ENVIRONMENT_VARIABLE}=array_api"
+    return None if hybrid_kernel_for(x) is not None else "linattn_numba cannot be imported"
+
+
+def decode_kernel() -> Callable[..., Any] | None:
+    """The compiled decoding step (:func:`linattn_numba._decode.decode_step`), or
+    ``None`` where numba is missing."""
+    if not NUMBA_INSTALLED:
+        return None
+    try:
+        from linattn_numba import _decode as compiled
+    except ImportError:
+        return None
+    return compiled.decode_step
+
+
+def fused_global(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    keep: Array,
+    sinks: tuple[Array, Array, Array],
+) -> Array:
+    """Bidirectional attention with exact keys merged per query in the fused pass
+    (:func:`linattn_numba._bidirectional.favor_bidirectional`); NumPy arrays."""
+    from linattn_numba import _bidirectional
+
+    projection, hyperbolic = fused_map_arrays(feature_map)
+    out, _, _ = _bidirectional.favor_bidirectional(
+        q, k, v, projection, hyperbolic=hyperbolic, scale=feature_map.scale, key_mask=keep,
+        sinks=sinks,
+    )  # fmt: skip
+    return out
+
+
 def _numpy_backward() -> Callable[..., Any] | None:
     from linattn_numba import cpu
 
     return cpu.causal_backward_kernel("numpy")
 
 
-def _library(x: Array) -> str:
+def library_of(x: Array) -> str:
+    """The top-level module of ``x``'s type: ``"numpy"``, ``"torch"``, ``"cupy"``..."""
     return type(x).__module__.split(".")[0]
 
 
@@ -387,7 +429,7 @@ def fused_causal(
     ``linattn::causal_fused_backward`` (outputs, final state and log-normaliser).
     """
     assert feature_map.projection is not None
-    if _library(q) == "torch":
+    if library_of(q) == "torch":
         import torch
 
         from linattn_numba import _torch
@@ -496,11 +538,11 @@ def _fused_causal_backward(
     from linattn_numba import _fused_causal
 
     arrays: tuple[Any, ...] = (q, k, v, key_mask, outputs, grad_output, grad_log_normaliser)
-    torch_in = _library(q) == "torch"
+    torch_in = library_of(q) == "torch"
     if torch_in:
         arrays = tuple(None if x is None else x.detach().numpy() for x in arrays)
     q, k, v, key_mask, outputs, grad_output, grad_log_normaliser = arrays
-    projection, hyperbolic = _fused_map(feature_map)
+    projection, hyperbolic = fused_map_arrays(feature_map)
     batch = _broadcast_batch(q, k, v, key_mask)
     m, dv = feature_map.num_features, v.shape[-1]
     dtype = grad_output.dtype
@@ -544,10 +586,11 @@ def _empty_shift(batch: tuple[int, ...], m: int, dtype: Any) -> Any:
 # -- bidirectional attention ------------------------------------------------------------
 
 
-def bidirectional_fused(
-    x: Array, feature_map: FeatureMap | None, statistics: object, *, backend: Backend | None
-) -> bool:
-    """Whether the fused bidirectional CPU pass serves a call on arrays like ``x``.
+def bidirectional_why_not(
+    x: Array, feature_map: FeatureMap | None, *, backend: Backend | None
+) -> str | None:
+    """Why the fused bidirectional CPU pass cannot serve a call on arrays like ``x``, or
+    ``None`` where it can.
 
     NumPy arrays and torch CPU tensors (differentiable through the fused backward), the
     kinds the fused passes compute, no per-call statistics, a kernel that can run, and a
@@ -559,17 +602,21 @@ def bidirectional_fused(
     >>> import numpy as np
     >>> import linattn as la
     >>> x, fm = np.zeros((4, 8)), la.FeatureMap(8, 16)
-    >>> bidirectional_fused(x, fm, None, backend="array_api")
-    False
+    >>> bidirectional_why_not(x, fm, backend="array_api")
+    "backend='array_api'"
     """
-    if resolve_backend(backend) == "array_api" or statistics is not None:
-        return False
-    if not fused_map(feature_map) or not array_api_compat.is_array_api_obj(x):
-        return False
-    library = _library(x)
+    if resolve_backend(backend) == "array_api":
+        return "backend='array_api'"
+    if feature_map is not None and feature_map.needs_calibration:
+        return "the map needs this call's statistics"
+    if not fused_map(feature_map):
+        return "the fused passes do not compute this map's features"
+    if not array_api_compat.is_array_api_obj(x):
+        return f"{type(x).__name__} is not an array"
+    library = library_of(x)
     if (library == "torch" and x.device.type != "cpu") or library not in ("numpy", "torch"):
-        return False
-    return kernel_for(x)[0] is not None
+        return "not NumPy arrays or torch CPU tensors"
+    return kernel_for(x)[1] if kernel_for(x)[0] is None else None
 
 
 def fused_bidirectional(
@@ -577,8 +624,8 @@ def fused_bidirectional(
 ) -> Array:
     """Normalised bidirectional attention in the fused CPU pass (:func:`bidirectional_fused`):
     features, state and readout block by block, no ``L x m`` array; compute dtype."""
-    projection, hyperbolic = _fused_map(feature_map)
-    if _library(q) == "torch":
+    projection, hyperbolic = fused_map_arrays(feature_map)
+    if library_of(q) == "torch":
         from linattn_numba import _torch
 
         projection = _torch_projection(projection, q.dtype)
@@ -604,11 +651,11 @@ def fused_bidirectional_vjp(
     from linattn_numba import _bidirectional
 
     arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
-    torch_in = _library(q) == "torch"
+    torch_in = library_of(q) == "torch"
     if torch_in:  # (NumPy views of the CPU tensors; the results wrapped without copies)
         arrays = tuple(None if x is None else x.detach().numpy() for x in arrays)
     q, k, v, key_mask, grad_output = arrays
-    projection, hyperbolic = _fused_map(feature_map)
+    projection, hyperbolic = fused_map_arrays(feature_map)
     options: dict[str, Any] = {"hyperbolic": hyperbolic, "scale": feature_map.scale}
     options["key_mask"] = key_mask
     out, kv, log_shift = _bidirectional.favor_bidirectional(q, k, v, projection, **options)
@@ -633,6 +680,6 @@ def _torch_projection(projection: Any, dtype: Any) -> Any:
     return torch.tensor(projection, dtype=dtype)
 
 
-def _fused_map(feature_map: FeatureMap) -> tuple[Any, bool]:
+def fused_map_arrays(feature_map: FeatureMap) -> tuple[Any, bool]:
     assert feature_map.projection is not None
     return feature_map.projection, feature_map.kind == "hyperbolic"

@@ -24,6 +24,7 @@ __all__ = [
     "dtype_name",
     "float_dtype",
     "from_host",
+    "is_traced",
     "library_name",
     "namespace_of",
     "safe_shift",
@@ -168,3 +169,12 @@ def stop_gradient(xp: Namespace, x: Array) -> Array:
     if array_api_compat.is_torch_namespace(xp):
         return x.detach()
     return x
+
+
+def is_traced(x: object) -> bool:
+    """True for a JAX tracer (a value known only when the traced function runs)."""
+    if not array_api_compat.is_jax_array(x):
+        return False
+    import jax
+
+    return isinstance(x, jax.core.Tracer)

@@ -34,7 +34,9 @@ import numpy as np
 
 from linattn import _dispatch
 from linattn import causal as causal_path
-from linattn._xp import Array, Namespace, constant, from_host, safe_shift
+from linattn._adjoints import bidirectional_vjp, causal_vjp, normalise_vjp
+from linattn._xp import Array, Namespace, constant, from_host, is_traced, safe_shift
+from linattn.state import empty_state
 
 __all__ = ["ExactParts", "banded_partial", "check_exact_parts", "merge", "softmax_partial"]
 
@@ -488,8 +490,6 @@ class FarPart(Part):
         return (rows, log_scale), kv, log_shift
 
     def backward(self, xp: Namespace, g: Array, partial: Partial) -> tuple[Array | None, ...]:
-        from linattn.vjp import _bidirectional_vjp, causal_vjp
-
         if self.reverse:
             g = xp.flip(g, axis=-2)
         q, k, v, keep = self.operands(xp)
@@ -511,7 +511,7 @@ class FarPart(Part):
             if self.causal:
                 d_lq, d_lk, d_va = causal_vjp(xp, *operands, self.chunk_size)
             else:
-                d_lq, d_lk, d_va = _bidirectional_vjp(xp, *operands)
+                d_lq, d_lk, d_va = bidirectional_vjp(xp, *operands)
             fm, stats = self.feature_map, self.statistics
             dq = fm.log_features_vjp(q, d_lq, role="query", statistics=stats)
             dk = fm.log_features_vjp(k, d_lk, role="key", statistics=stats)
@@ -690,25 +690,6 @@ def _no_gradient(d: Array) -> None:
     return None
 
 
-def hybrid_outputs(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:
-    """Normalised outputs of all parts, and the far part's state (``kv``, ``log_shift``).
-
-    Parts whose far keys run a fused CPU pass run in one compiled pass
-    (:func:`fused_causal_parts`, :func:`fused_bidirectional_parts`,
-    :func:`fused_global_parts`); all others merge their partials (:func:`hybrid_rows`).
-    """
-    fused = fused_causal_parts(xp, found)
-    if fused is not None:
-        return fused
-    fused_out = fused_bidirectional_parts(xp, found)
-    if fused_out is None:
-        fused_out = fused_global_parts(xp, found)
-    if fused_out is not None:
-        return fused_out, {}
-    rows, state = hybrid_rows(xp, found)
-    return causal_path.normalise(xp, rows), state
-
-
 def _sink_arrays(
     xp: Namespace, sinks: list[ExactKeysPart], part: FarPart, batch: tuple[int, ...]
 ) -> tuple[Array, Array, Array]:
@@ -727,18 +708,13 @@ def _sink_arrays(
     return tuple(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in arrays)
 
 
-def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]] | None:
-    """Causal window, sinks and fused far keys in one pass (:mod:`linattn_numba._hybrid`),
-    or ``None`` where the parts are not those (or the kernel cannot run)."""
-    far = [p for p in found if isinstance(p, FarPart)]
+def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:
+    """Causal window, sinks and fused far keys in one pass (:mod:`linattn_numba._hybrid`):
+    the far part, at most one window and one sink part (``linattn._plan`` chose it)."""
+    (part,) = [p for p in found if isinstance(p, FarPart)]
     window = [p for p in found if isinstance(p, WindowPart)]
     sinks = [p for p in found if isinstance(p, ExactKeysPart)]
-    if len(far) != 1 or len(found) != len(far) + len(window) + len(sinks):
-        return None
-    (part,) = far
     kernel = _dispatch.hybrid_kernel_for(part.q)
-    if kernel is None or not (part.causal and part.plan.fused) or part.reverse:
-        return None
     batch = tuple(part.q.shape[:-2])
     dv = part.v.shape[-1]
     if window:
@@ -747,7 +723,7 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
     else:  # no window: no cache, the far keys are the call's own
         keep, span = part.operands(xp)[3], 0
         recent, recent_values = (_zeros(xp, (*batch, 0, x.shape[-1]), x) for x in (part.k, part.v))
-    projection, hyperbolic = _dispatch._fused_map(part.feature_map)
+    projection, hyperbolic = _dispatch.fused_map_arrays(part.feature_map)
     m = part.feature_map.num_features
     out, kv, log_shift = kernel.causal_forward(
         part.q,
@@ -766,22 +742,15 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
     return out, {"kv": kv, "log_shift": log_shift}
 
 
-def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array | None:
+def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array:
     """Bidirectional window, sinks and both fused far parts in one pass
-    (:func:`linattn_numba._hybrid.bidirectional_forward`), or ``None`` where the parts
-    are not those (or the kernel cannot run)."""
-    far = [p for p in found if isinstance(p, FarPart)]
-    window = [p for p in found if isinstance(p, WindowPart)]
+    (:func:`linattn_numba._hybrid.bidirectional_forward`; ``linattn._plan`` chose it)."""
+    part = next(p for p in found if isinstance(p, FarPart))
     sinks = [p for p in found if isinstance(p, ExactKeysPart)]
-    if len(far) != 2 or len(window) != 1 or len(found) != 3 + len(sinks) or len(sinks) > 1:
-        return None
-    part = far[0]
     kernel = _dispatch.hybrid_kernel_for(part.q)
-    if kernel is None or not all(p.causal and p.plan.fused and p.lead is None for p in far):
-        return None
     batch = tuple(part.q.shape[:-2])
     length = part.q.shape[-2]
-    projection, hyperbolic = _dispatch._fused_map(part.feature_map)
+    projection, hyperbolic = _dispatch.fused_map_arrays(part.feature_map)
     return kernel.bidirectional_forward(
         part.q,
         *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (part.k, part.v)),
@@ -795,30 +764,15 @@ def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array | None:
     )
 
 
-def fused_global_parts(xp: Namespace, found: list[Part]) -> Array | None:
+def fused_global_parts(xp: Namespace, found: list[Part]) -> Array:
     """Bidirectional sinks (or ``exact_key_mask``'s keys) without a window, and the far
-    keys as one global state, in the fused bidirectional pass
-    (:func:`linattn_numba._bidirectional.favor_bidirectional`, which merges the exact keys
-    per query), or ``None`` where the parts are not those (or the pass cannot run)."""
-    far = [p for p in found if isinstance(p, FarPart)]
+    keys as one global state, in the fused bidirectional pass, which merges the exact
+    keys per query (:func:`linattn._dispatch.fused_global`; ``linattn._plan`` chose it)."""
+    (part,) = [p for p in found if isinstance(p, FarPart)]
     sinks = [p for p in found if isinstance(p, ExactKeysPart)]
-    if len(far) != 1 or len(sinks) != 1 or len(found) != 2:
-        return None
-    (part,) = far
-    if part.causal or not part.plan.fused or part.statistics is not None:
-        return None
-    if _dispatch._library(part.q) != "numpy":
-        return None
-    from linattn_numba import _bidirectional
-
     batch = tuple(part.q.shape[:-2])
-    projection, hyperbolic = _dispatch._fused_map(part.feature_map)
-    out, _, _ = _bidirectional.favor_bidirectional(
-        part.q, part.k, part.v, projection, hyperbolic=hyperbolic,
-        scale=part.feature_map.scale, key_mask=part.keep,
-        sinks=_sink_arrays(xp, sinks, part, batch),
-    )  # fmt: skip
-    return out
+    sink_arrays = _sink_arrays(xp, sinks, part, batch)
+    return _dispatch.fused_global(part.q, part.k, part.v, part.feature_map, part.keep, sink_arrays)
 
 
 def hybrid_rows(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]]:
@@ -838,8 +792,6 @@ def state_arrays(
     xp: Namespace, state: Any, feature_map: Any, batch: tuple[int, ...], dv: int, like: Array
 ) -> tuple[Array, Array]:
     """The far keys' ``(kv, log_shift)`` from ``state``, broadcast to ``batch``, or empty."""
-    from linattn.state import empty_state
-
     m = feature_map.num_features
     if state is None:
         return empty_state(xp, batch, m, dv, like)
@@ -992,9 +944,7 @@ def _exact_keys_part(
 
 def _static_count(xp: Namespace, chosen: Array, length: int) -> int:
     """The largest number of chosen keys in a row, or ``length`` when it is not known."""
-    from linattn.attention import _is_traced
-
-    if _is_traced(chosen) or array_api_compat.is_dask_array(chosen):
+    if is_traced(chosen) or array_api_compat.is_dask_array(chosen):
         return length
     try:
         return max(1, int(xp.max(xp.sum(xp.astype(chosen, xp.int32), axis=-1))))
@@ -1010,10 +960,8 @@ def parts_vjp(
     The merge's scales and every part's stabilisers are held constant: the output is
     invariant to them (numerator and denominator share them), so this is exact.
     """
-    from linattn.vjp import _normalise_vjp
-
     partials = [part.rows_for_backward(xp) for part in found]
-    g_rows = _normalise_vjp(xp, merge(xp, partials), grad)
+    g_rows = normalise_vjp(xp, merge(xp, partials), grad)
     top = partials[0][1]
     for _, scale in partials[1:]:
         top = xp.maximum(top, scale)

@@ -1,0 +1,21 @@
+"""Dask arrays: the sequence-parallel graph over their chunks, each chunk's attention a
+sub-call through the plan (:func:`linattn._dask_graph.dask_linear_attention`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from linattn import _dask_graph
+from linattn._call import Call
+
+__all__ = ["run"]
+
+
+def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
+    """Run ``call`` (see :mod:`linattn.executors`)."""
+    result = _dask_graph.dask_linear_attention(
+        call.q, call.k, call.v, call.feature_map, causal=call.causal, key_mask=call.key_mask,
+        state=call.state, return_state=call.return_state, chunk_size=call.chunk_size,
+        backend=call.backend, sub_call=sub_call,
+    )  # fmt: skip
+    return result if call.return_state else (result, None)
