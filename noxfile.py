@@ -11,7 +11,9 @@ import atexit
 import functools
 import os
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 import nox
@@ -55,6 +57,18 @@ NUMBA_CACHE_DIR = tempfile.mkdtemp(prefix="linattn-numba-cache-")
 atexit.register(shutil.rmtree, NUMBA_CACHE_DIR, ignore_errors=True)
 #: The environment every session's commands get: the cache above, switched on.
 CACHE_ENV = {"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR, "LINATTN_NUMBA_CACHE": "1"}
+#: Seconds each session of this run took (its commands, not its virtualenv's creation).
+TIMES: dict[str, float] = {}
+
+
+def _print_times() -> None:
+    if TIMES:
+        lines = [f"  {name:<14}{seconds:8.0f} s" for name, seconds in TIMES.items()]
+        total = f"  {'total':<14}{sum(TIMES.values()):8.0f} s"
+        print("nox > session times:", *lines, total, sep="\n", file=sys.stderr)
+
+
+atexit.register(_print_times)
 
 
 def session(
@@ -66,9 +80,11 @@ def session(
         @functools.wraps(func)
         def run(session: nox.Session) -> None:
             session.env.update(CACHE_ENV)
+            start = time.monotonic()
             try:
                 func(session)
             finally:
+                TIMES[session.name] = time.monotonic() - start
                 location = getattr(session.virtualenv, "location", None)
                 if DISCARD_VENVS and location and os.path.isdir(location):
                     shutil.rmtree(location, ignore_errors=True)
@@ -240,6 +256,22 @@ def docs(session: nox.Session) -> None:
     session.run(
         "pytest", "--doctest-modules", "linattn", *frameworks, "-p", "no:cacheprovider",
         *session.posargs,
+    )  # fmt: skip
+
+
+@session(default=False)
+def exhaustive(session: nox.Session) -> None:
+    """The sweeps' cells that the default set leaves out (``-m exhaustive``).
+
+    The default sessions run the fewest cells of each sweep that cover every value of its
+    parameters (``tests/conftest.py``); this session runs the rest, on the kernels'
+    backends and under the CUDA simulator.
+    """
+    session.install("-e", ".[cuda,numba]", "scipy", TORCH, *TEST)
+    session.env["LINATTN_TEST_EXHAUSTIVE"] = "1"
+    session.run(
+        "pytest", "-m", "exhaustive", *session.posargs,
+        env={"LINATTN_TEST_BACKENDS": "numpy,numpy_readonly,torch"},
     )  # fmt: skip
 
 

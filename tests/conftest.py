@@ -6,6 +6,11 @@ inputs through :meth:`Backend.asarray` and its results are checked with
 
 ``LINATTN_TEST_BACKENDS`` is a comma-separated list of names from ``BACKENDS``
 (default: every backend whose library is installed).
+
+A test marked ``sweep`` is a parametrized grid: by default only the fewest cells that
+cover every value of each swept parameter run (per value of the others, such as the
+backend); the other cells are marked ``exhaustive`` and run only with
+``LINATTN_TEST_EXHAUSTIVE=1`` (the ``exhaustive`` nox session, ``-m exhaustive``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import numpy as np
 import pytest
 
 from linattn import _libraries as libraries
+
+#: Set to 1 to run every cell of the sweeps (see the module's docstring).
+EXHAUSTIVE_VARIABLE = "LINATTN_TEST_EXHAUSTIVE"
 
 
 @dataclass
@@ -111,6 +119,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "needs(backend): run only when that backend is selected (default: tests that do not "
         "take the backend fixture run with the numpy backend only)",
     )
+    config.addinivalue_line(
+        "markers",
+        "sweep(*names): a grid over the parameters ``names`` (default: every parameter but "
+        "the backend); cells beyond those that cover each value are marked exhaustive",
+    )
     if _installed("jax"):
         import jax
 
@@ -151,16 +164,67 @@ def assert_close(
     np.testing.assert_allclose(backend.to_numpy(actual), expected, rtol=rtol, atol=atol)
 
 
+def exhaustive() -> bool:
+    """Whether every cell of the sweeps runs (``LINATTN_TEST_EXHAUSTIVE=1``)."""
+    return os.environ.get(EXHAUSTIVE_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _mark_sweeps(items: list[pytest.Item]) -> None:
+    """Mark ``exhaustive`` the cells of each ``sweep`` that the default run leaves out.
+
+    Per test and per value of the parameters not swept, the cells kept are chosen greedily,
+    each bringing the most values not yet covered (on ties, the values kept least often so
+    far, then the first in collection order), until every value of every swept parameter
+    is covered: every dtype, kind, chunk or case still runs by default, in fewer
+    combinations.
+    """
+    groups: dict[tuple[str, str], list[tuple[pytest.Item, set[tuple[str, str]]]]] = {}
+    for item in items:
+        marker = item.get_closest_marker("sweep")
+        callspec = getattr(item, "callspec", None)
+        if marker is None or callspec is None:
+            continue
+        names = marker.args or tuple(name for name in callspec.params if name != "backend")
+        unknown = set(names) - set(callspec.params)
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: sweep names unknown parameters {unknown}")
+        swept = {(name, repr(callspec.params[name])) for name in names}
+        rest = repr(sorted((k, repr(v)) for k, v in callspec.params.items() if k not in names))
+        groups.setdefault((item.nodeid.split("[")[0], rest), []).append((item, swept))
+    for cells in groups.values():
+        uncovered = set().union(*(values for _, values in cells))
+        kept: dict[tuple[str, str], int] = dict.fromkeys(uncovered, 0)
+        left = list(cells)
+        while uncovered:
+            best = max(
+                left,
+                key=lambda cell: (len(cell[1] & uncovered), -sum(kept[v] for v in cell[1])),
+            )
+            uncovered -= best[1]
+            for value in best[1]:
+                kept[value] += 1
+            left.remove(best)
+        for item, _ in left:
+            item.add_marker(pytest.mark.exhaustive)
+
+
+@pytest.hookimpl(tryfirst=True)  # (before ``-m`` selects on the markers added here)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run backend-independent tests once, in the sessions that select NumPy.
 
     A test that takes the ``backend`` fixture runs on every selected backend; one marked
     ``needs(name)`` runs when ``name`` is selected; every other test runs when ``numpy``
-    is selected, so the per-backend nox sessions do not repeat it.
+    is selected, so the per-backend nox sessions do not repeat it.  Cells marked
+    ``exhaustive`` run only with ``LINATTN_TEST_EXHAUSTIVE=1``.
     """
+    _mark_sweeps(items)
+    everything = exhaustive()
     selected = set(selected_backends())
     keep, drop = [], []
     for item in items:
+        if not everything and item.get_closest_marker("exhaustive") is not None:
+            drop.append(item)
+            continue
         marker = item.get_closest_marker("needs")
         if marker is not None:
             wanted = marker.args[0]
