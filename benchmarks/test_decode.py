@@ -6,7 +6,8 @@ Workload: B = 1, H = 8, d = 64, m = 256 ("positive" features), float32, one thre
 
 * per-call latency of one decode step, ``linear_attention(..., state=s,
   return_state=True)`` with ``L = 1`` (goal <= 160 us), of the fast path it takes
-  (``linattn._decode.decode``) and of the kernel alone (the compiled step, arrays
+  (the plan's ``decode`` executor, ``linattn._decode.step``) and of the kernel alone
+  (the compiled step, arrays
   ready);
 * tokens per second decoding 4096 tokens after a 4096-token prefill, against torch
   SDPA with a growing KV cache (preallocated, a view of the first ``t`` positions per
@@ -24,7 +25,7 @@ import pytest
 import linattn as la
 from linattn import _decode
 
-kernel = pytest.importorskip("linattn_numba._decode")
+kernel = pytest.importorskip("linattn_numba.cpu.decode")
 torch = pytest.importorskip("torch")
 
 PREFILL, STEPS = 4096, 4096
@@ -64,7 +65,7 @@ def test_step_latency(benchmark: Any, feature_map: la.FeatureMap, bench: Any, on
     options = {"causal": True, "state": state, "return_state": True}
     fast = {"key_mask": None, "chunk_size": 64, "backend": None}
     n, m, dv = bench.heads, bench.features, bench.head_dim
-    constants = _decode._map_constants(feature_map, np.dtype(np.float32))
+    constants = _decode.map_constants(feature_map, np.dtype(np.float32))
     assert constants is not None
     flat = [x.reshape(n, 1, dv) for x in token]
     ready = (*flat, np.ones((n, 1), bool), constants.projection, constants.consts, False,
@@ -79,8 +80,8 @@ def test_step_latency(benchmark: Any, feature_map: la.FeatureMap, bench: Any, on
         {
             "linear_attention": _per_call(lambda: la.linear_attention(*token, feature_map,
                                                                       **options)),
-            "fast path (linattn._decode.decode)": _per_call(
-                lambda: _decode.decode(*token, feature_map, **options, **fast)
+            "decode executor": _per_call(
+                lambda: decode_executor(*token, feature_map, **options, **fast)
             ),
             "kernel alone": _per_call(lambda: serial(*ready)),
         },
@@ -92,9 +93,16 @@ def test_step_latency(benchmark: Any, feature_map: la.FeatureMap, bench: Any, on
     bench.record(
         benchmark,
         "L=1 step: linear_attention / fast path",
-        times["linear_attention"] / times["fast path (linattn._decode.decode)"],
+        times["linear_attention"] / times["decode executor"],
     )
     benchmark.pedantic(lambda: serial(*ready), rounds=3, iterations=100)
+
+
+def decode_executor(q, k, v, fm, *, state, key_mask=None, chunk_size=None, return_state=False,
+                    **_: Any) -> Any:
+    """The plan's ``decode`` executor alone (``linattn._decode.step``), no planning."""
+    out, after = _decode.step(q, k, v, fm, key_mask, state, chunk_size)
+    return (out, after) if return_state else out
 
 
 def _linattn_decoder(
@@ -105,7 +113,7 @@ def _linattn_decoder(
     options = {"causal": True, "return_state": True}
     if fast:
         options |= {"key_mask": None, "chunk_size": 64, "backend": None}
-    attend = _decode.decode if fast else la.linear_attention
+    attend = decode_executor if fast else la.linear_attention
 
     def run() -> None:
         s = state

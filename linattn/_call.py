@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 import numpy as np
 
-from linattn import _dispatch, hybrid
+from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._checks import (
     broadcast_shapes,
@@ -31,6 +31,7 @@ from linattn._gqa import group_mask, grouped
 from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, is_traced
 from linattn.calibration import Statistics, per_call_statistics
 from linattn.features import FeatureMap
+from linattn.hybrid import build, parts
 from linattn.state import LinearAttentionState
 
 __all__ = [
@@ -243,8 +244,8 @@ class ExactPartsCall(NamedTuple):
     """A checked call with exact parts: its inputs, parts and new state caches."""
 
     info: Any
-    exact: hybrid.ExactParts
-    parts: list[hybrid.Part]
+    exact: build.ExactParts
+    parts: list[parts.Part]
     fields: dict[str, Any]
     batch: tuple[int, ...]
     keep: Array
@@ -281,7 +282,7 @@ def exact_parts_call(
     chunk_size = _dispatch.chunk_size_for(plan, chunk_size, q, k, v)
     check_state_options(causal, state, return_state)
     xp = info.xp
-    exact = hybrid.check_exact_parts(
+    exact = build.check_exact_parts(
         window,
         sink_keys,
         exact_key_mask,
@@ -320,7 +321,7 @@ def exact_parts_call(
         keep = xp.broadcast_to(key_mask, (*batch, lk))
     fields: dict[str, Any] = {}
     if causal:
-        found, fields = hybrid.causal_parts(
+        found, fields = build.causal_parts(
             xp,
             q,
             k,
@@ -335,7 +336,7 @@ def exact_parts_call(
             plan=plan,
         )
     else:
-        found = hybrid.bidirectional_parts(
+        found = build.bidirectional_parts(
             xp,
             q,
             k,

@@ -28,7 +28,7 @@ from linattn import _dispatch
 from linattn.features import FeatureMap
 from linattn.state import LinearAttentionState
 
-__all__ = ["MAX_TOKENS", "step", "why_not"]
+__all__ = ["MAX_TOKENS", "map_constants", "step", "why_not"]
 
 #: The most new tokens per call that take this path: beyond, the general path's fixed
 #: costs are small next to the work (one chunk of 16 tokens costs about as much as its
@@ -57,7 +57,7 @@ class _MapConstants(NamedTuple):
 _MAPS: dict[tuple[str, np.dtype], _MapConstants | None] = {}
 
 
-def _map_constants(feature_map: FeatureMap, dtype: np.dtype) -> _MapConstants | None:
+def map_constants(feature_map: FeatureMap, dtype: np.dtype) -> _MapConstants | None:
     key = (feature_map.fingerprint, dtype)
     if key not in _MAPS:
         if len(_MAPS) >= MAX_CACHED_MAPS:  # (maps redrawn during training: no leak)
@@ -122,7 +122,7 @@ def why_not(
         return "v not shaped like q"
     if key_mask is not None and (key_mask.dtype != np.bool_ or key_mask.shape != shape[:-1]):
         return "key_mask not a boolean array of q.shape[:-1]"
-    constants = _map_constants(feature_map, dtype)
+    constants = map_constants(feature_map, dtype)
     if constants is None or shape[-1] != constants.head_dim:
         return "a map the fused pass does not compute"
     m = constants.num_features
@@ -148,7 +148,7 @@ def step(
 ) -> tuple[np.ndarray, LinearAttentionState]:
     """The outputs of a few tokens after ``state``, and the state after them, in one
     kernel call; for the arguments :func:`why_not` accepts."""
-    constants = _map_constants(feature_map, q.dtype)
+    constants = map_constants(feature_map, q.dtype)
     assert constants is not None
     kernel = _dispatch.decode_kernel()
     out, kv, log_shift = kernel(

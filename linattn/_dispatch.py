@@ -15,16 +15,14 @@ import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import array_api_compat
 
 from linattn import causal as causal_path
 from linattn._checks import check_chunk_size
-from linattn._xp import Array, Namespace
-
-if TYPE_CHECKING:
-    from linattn.features import FeatureMap
+from linattn._xp import Array, Namespace, float_dtype
+from linattn.features import FeatureMap
 
 __all__ = [
     "BACKENDS",
@@ -36,6 +34,7 @@ __all__ = [
     "kernel_for",
     "kernel_status",
     "resolve_backend",
+    "scan_plan",
     "window_kernel_for",
 ]
 
@@ -194,9 +193,28 @@ def causal_plan(
     >>> plan = la.causal_plan(np.zeros((4, 8)), la.FeatureMap(8, 16))
     >>> plan.path in ("numba-cpu", "array-api"), isinstance(plan.reason, str)
     (True, True)
+    >>> la.causal_plan(np.zeros((4, 8), dtype=np.int32))
+    Traceback (most recent call last):
+    ...
+    TypeError: x must have a real floating dtype (float16, bfloat16, float32 or float64); got int32
     """
+    if not array_api_compat.is_array_api_obj(x):
+        raise TypeError(f"x must be an array (the queries); got {type(x).__name__}")
+    float_dtype(array_api_compat.array_namespace(x), "x", x)
+    if feature_map is not None and not isinstance(feature_map, FeatureMap):
+        raise TypeError(
+            f"feature_map must be a linattn.FeatureMap or None; got {type(feature_map).__name__}"
+        )
+    return scan_plan(x, feature_map, backend=backend)
+
+
+def scan_plan(
+    x: Array, feature_map: FeatureMap | None = None, *, backend: Backend | None = None
+) -> Plan:
+    """:func:`causal_plan` without its argument checks, for calls whose executor checks
+    them (and names what is wrong as the front door does)."""
     chosen = resolve_backend(backend)
-    if not array_api_compat.is_array_api_obj(x):  # the front door's checks say what is wrong
+    if not array_api_compat.is_array_api_obj(x):  # the executor's checks say what is wrong
         return Plan("array-api", f"{type(x).__name__} is not an array")
     if array_api_compat.is_dask_array(x):
         return Plan("dask-scan", "Dask arrays: a scan of chunk states over the input's chunks")
@@ -333,14 +351,14 @@ def window_kernel_for(x: Array) -> Any:
     """The compiled window part for arrays like ``x``, or ``None`` (the portable code runs).
 
     NumPy arrays where ``linattn_numba`` imports and ``$LINATTN_BACKEND`` is not
-    ``"array_api"``: the module :mod:`linattn_numba._window`, whose ``banded_partial``
+    ``"array_api"``: the module :mod:`linattn_numba.cpu.window`, whose ``banded_partial``
     and ``banded_partial_backward`` have the contract of ``linattn.hybrid.banded_partial``
     and of its adjoint.
     """
     if library_of(x) != "numpy" or resolve_backend(None) == "array_api":
         return None
     try:
-        from linattn_numba import _window
+        from linattn_numba.cpu import window as _window
     except ImportError:
         return None
     return _window
@@ -348,10 +366,10 @@ def window_kernel_for(x: Array) -> Any:
 
 def hybrid_kernel_for(x: Array) -> Any:
     """The compiled causal hybrid pass for arrays like ``x``, or ``None``: the module
-    :mod:`linattn_numba._hybrid` where :func:`window_kernel_for` gives the window kernel."""
+    :mod:`linattn_numba.cpu.hybrid` where :func:`window_kernel_for` gives the window kernel."""
     if window_kernel_for(x) is None:
         return None
-    from linattn_numba import _hybrid
+    from linattn_numba.cpu import hybrid as _hybrid
 
     return _hybrid
 
@@ -366,12 +384,12 @@ def hybrid_kernel_why_not(x: Array) -> str | None:
 
 
 def decode_kernel() -> Callable[..., Any] | None:
-    """The compiled decoding step (:func:`linattn_numba._decode.decode_step`), or
+    """The compiled decoding step (:func:`linattn_numba.cpu.decode.decode_step`), or
     ``None`` where numba is missing."""
     if not NUMBA_INSTALLED:
         return None
     try:
-        from linattn_numba import _decode as compiled
+        from linattn_numba.cpu import decode as compiled
     except ImportError:
         return None
     return compiled.decode_step
@@ -386,8 +404,8 @@ def fused_global(
     sinks: tuple[Array, Array, Array],
 ) -> Array:
     """Bidirectional attention with exact keys merged per query in the fused pass
-    (:func:`linattn_numba._bidirectional.favor_bidirectional`); NumPy arrays."""
-    from linattn_numba import _bidirectional
+    (:func:`linattn_numba.cpu.bidirectional.favor_bidirectional`); NumPy arrays."""
+    from linattn_numba.cpu import bidirectional as _bidirectional
 
     projection, hyperbolic = fused_map_arrays(feature_map)
     out, _, _ = _bidirectional.favor_bidirectional(
@@ -398,9 +416,9 @@ def fused_global(
 
 
 def _numpy_backward() -> Callable[..., Any] | None:
-    from linattn_numba import cpu
+    from linattn_numba import libraries
 
-    return cpu.causal_backward_kernel("numpy")
+    return libraries.cpu_causal_backward_kernel("numpy")
 
 
 def library_of(x: Array) -> str:
@@ -432,7 +450,7 @@ def fused_causal(
     if library_of(q) == "torch":
         import torch
 
-        from linattn_numba import _torch
+        from linattn_numba import torch_ops as _torch
 
         # float64, as NumPy's pass scales it
         projection = _torch_projection(feature_map.projection, torch.float64)
@@ -470,7 +488,7 @@ def fused_causal_vjp(
     chunk_size: int,
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` of causal attention (no incoming state) by the fused forward and
-    backward passes (``plan.fused``; :mod:`linattn_numba._fused_causal`): no ``L x m``
+    backward passes (``plan.fused``; :mod:`linattn_numba.cpu.fused_causal`): no ``L x m``
     array; over the broadcast batch shape, in the compute dtype.  Torch CPU tensors are
     read as NumPy views and the results wrapped without copies.
 
@@ -535,7 +553,7 @@ def _fused_causal_backward(
     chunk_size: int,
 ) -> tuple[Array, Array, Array]:
     """The fused backward from an empty state; ``outputs=None`` runs the forward first."""
-    from linattn_numba import _fused_causal
+    from linattn_numba.cpu import fused_causal, fused_causal_backward
 
     arrays: tuple[Any, ...] = (q, k, v, key_mask, outputs, grad_output, grad_log_normaliser)
     torch_in = library_of(q) == "torch"
@@ -551,8 +569,8 @@ def _fused_causal_backward(
     options: dict[str, Any] = {"hyperbolic": hyperbolic, "scale": feature_map.scale}
     options.update(key_mask=key_mask, chunk_size=chunk_size)
     if outputs is None:
-        outputs, _, _, _ = _fused_causal.forward(q, k, v, projection, kv, log_shift, **options)
-    grads: tuple[Any, ...] = _fused_causal.backward(
+        outputs, _, _, _ = fused_causal.forward(q, k, v, projection, kv, log_shift, **options)
+    grads: tuple[Any, ...] = fused_causal_backward.backward(
         q, k, v, projection, kv, log_shift, outputs, grad_output, **options,
         grad_log_normaliser=grad_log_normaliser,
     )  # fmt: skip
@@ -626,11 +644,11 @@ def fused_bidirectional(
     features, state and readout block by block, no ``L x m`` array; compute dtype."""
     projection, hyperbolic = fused_map_arrays(feature_map)
     if library_of(q) == "torch":
-        from linattn_numba import _torch
+        from linattn_numba import torch_ops as _torch
 
         projection = _torch_projection(projection, q.dtype)
         return _torch.bidirectional(q, k, v, projection, key_mask, hyperbolic, feature_map.scale)
-    from linattn_numba import _bidirectional
+    from linattn_numba.cpu import bidirectional as _bidirectional
 
     out, _, _ = _bidirectional.favor_bidirectional(
         q, k, v, projection, hyperbolic=hyperbolic, scale=feature_map.scale, key_mask=key_mask
@@ -648,7 +666,7 @@ def fused_bidirectional_vjp(
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` of bidirectional attention by the fused forward and backward
     passes (:func:`bidirectional_fused`); over the broadcast batch shape, compute dtype."""
-    from linattn_numba import _bidirectional
+    from linattn_numba.cpu import bidirectional as _bidirectional
 
     arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)
     torch_in = library_of(q) == "torch"

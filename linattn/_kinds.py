@@ -14,19 +14,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from linattn._xp import Array, Namespace, constant, from_host
 
-if TYPE_CHECKING:
-    from linattn.features import FeatureMap
-
-__all__ = ["KIND_SPECS", "FeatureKind", "KindInputs", "kind_spec"]
+__all__ = ["KIND_SPECS", "FeatureKind", "KindInputs", "MapSizes", "kind_spec"]
 
 #: Added to ReLU features so that attention denominators stay positive.
 RELU_EPSILON = 1e-3
+
+
+class MapSizes(Protocol):
+    """What a kind reads of its feature map (a :class:`linattn.FeatureMap` is one)."""
+
+    @property
+    def num_features(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def projection(self) -> Any: ...
 
 
 class KindInputs(NamedTuple):
@@ -37,7 +47,7 @@ class KindInputs(NamedTuple):
     (a float, or a 0-d array for a call's own statistics).
     """
 
-    feature_map: FeatureMap
+    feature_map: MapSizes
     x: Array
     proj: Array | None = None
     half_norm: Array | None = None

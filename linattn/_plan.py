@@ -210,12 +210,12 @@ _RUN = {name: run for name, _, run in EXECUTORS}
 def _scan_plan(call: Call) -> _dispatch.Plan:
     """The causal scan's path; exact parts on Dask arrays run the portable parts."""
     try:
-        scan = _dispatch.causal_plan(call.q, call.feature_map, backend=call.backend)
+        scan = _dispatch.scan_plan(call.q, call.feature_map, backend=call.backend)
     except ValueError as error:  # backend="numba" that no kernel serves
         reasons = [f"{name}: needs a compiled kernel" for name, _, _ in EXECUTORS]
         raise ValueError(f"{error}; no executor serves this call: " + "; ".join(reasons)) from None
     if call.exact_parts and scan.path == "dask-scan":
-        scan = _dispatch.causal_plan(call.q, call.feature_map, backend="array_api")
+        scan = _dispatch.scan_plan(call.q, call.feature_map, backend="array_api")
     return scan
 
 

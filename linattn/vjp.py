@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from linattn import _dispatch, hybrid
+from linattn import _dispatch
 from linattn._adjoints import bidirectional_vjp, causal_vjp, normalise_vjp, sum_to
 from linattn._call import (
     attend,
@@ -30,6 +30,7 @@ from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
 from linattn._xp import Array, compute_dtype, constant, float_dtype
 from linattn.features import FeatureMap
+from linattn.hybrid import paths
 from linattn.state import empty_state
 
 __all__ = ["linear_attention_vjp"]
@@ -120,7 +121,7 @@ def linear_attention_vjp(
         head_dim=feature_map.head_dim,
         extra={"grad_output": grad_output},
     )
-    plan = _dispatch.causal_plan(q, feature_map, backend=backend)
+    plan = _dispatch.scan_plan(q, feature_map, backend=backend)
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)
     batch, lq, dv = info.batch_shape, info.query_length, info.value_dim
@@ -217,14 +218,14 @@ def _exact_parts_vjp(
     backend: Backend | None,
     **options: Any,
 ) -> tuple[Array, Array, Array]:
-    """The VJP of hybrid attention: each part's adjoint (:func:`linattn.hybrid.parts_vjp`)."""
+    """The VJP of hybrid attention: each part's adjoint (:func:`linattn.paths.parts_vjp`)."""
     if feature_map is not None and not isinstance(feature_map, FeatureMap):
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap or None; got {type(feature_map).__name__}"
         )
-    plan = _dispatch.causal_plan(q, feature_map, backend=backend)
+    plan = _dispatch.scan_plan(q, feature_map, backend=backend)
     if plan.path == "dask-scan":  # the portable parts run on Dask arrays as they are
-        plan = _dispatch.causal_plan(q, feature_map, backend="array_api")
+        plan = _dispatch.scan_plan(q, feature_map, backend="array_api")
     call = exact_parts_call(
         q,
         k,
@@ -244,7 +245,7 @@ def _exact_parts_vjp(
             f"grad_output must have the output's shape {shape}; got {tuple(grad_output.shape)}"
         )
     work = compute_dtype(xp, info.dtype)
-    dq, dk, dv = hybrid.parts_vjp(xp, call.parts, xp.astype(grad_output, work, copy=False))
+    dq, dk, dv = paths.parts_vjp(xp, call.parts, xp.astype(grad_output, work, copy=False))
     keep = call.keep[..., None]  # masked keys were zeroed before anything was computed
     zeros = {"q": q, "k": k, "v": v}
     grads = {"q": dq, "k": dk, "v": dv}

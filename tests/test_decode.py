@@ -1,8 +1,8 @@
-"""The decoding fast path (``linattn._decode``) and its kernel (``linattn_numba._decode``).
+"""The decoding fast path (``linattn._decode``) and its kernel (``linattn_numba.cpu.decode``).
 
 Its results must equal the general path's (``linear_attention`` with ``state=``) bit
 for bit (the same products on the same features); anything it does not serve must fall
-through to the general path (``None``), which gives the errors.
+through to the general path (the plan chooses another executor), which gives the errors.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import linattn as la
-from linattn import _decode
+from linattn import _decode, _plan
+from linattn._call import normalise_call
 
-kernel = pytest.importorskip("linattn_numba._decode")
+kernel = pytest.importorskip("linattn_numba.cpu.decode")
 
 HEAD_DIM, FEATURES, VALUE_DIM = 8, 32, 5
 
@@ -38,11 +39,19 @@ def _tokens(rng: np.random.Generator, length: int, dtype: str) -> list[np.ndarra
     return [q, k, rng.normal(size=(2, 3, length, VALUE_DIM)).astype(dtype)]
 
 
+def _decode_or_none(q, k, v, fm, **options):
+    """The decoding executor's result where the plan chooses it for a call, else None."""
+    call = normalise_call(q, k, v, fm, **options)
+    if _plan.plan_call(call).executor != "decode":
+        return None
+    return _plan.execute(call)
+
+
 def _both(fm, state, tokens, key_mask=None, chunk_size=64):
     options = {"causal": True, "key_mask": key_mask, "state": state, "chunk_size": chunk_size}
-    fast = _decode.decode(*tokens, fm, return_state=True, backend=None, **options)
+    fast = _decode_or_none(*tokens, fm, return_state=True, backend=None, **options)
     assert fast is not None, "the fast path should serve this call"
-    with mock.patch.object(_decode, "decode", return_value=None):  # the general path
+    with mock.patch.object(_decode, "why_not", return_value="forced"):  # the general path
         general = la.linear_attention(*tokens, fm, return_state=True, **options)
     return fast, general
 
@@ -79,7 +88,7 @@ def test_token_by_token_equals_the_whole_sequence(dtype: str) -> None:
     outputs = []
     for t in range(12):
         step = [x[..., t : t + 1, :] for x in tokens]  # (strided views)
-        out, state = _decode.decode(
+        out, state = _decode_or_none(
             *step, fm, causal=True, key_mask=None, state=state, return_state=True,
             chunk_size=64, backend=None,
         )  # fmt: skip
@@ -160,7 +169,7 @@ def test_falls_through_to_the_general_path(name: str) -> None:
         )  # fmt: skip
     if change.get("as_list"):
         q = q.tolist()
-    result = _decode.decode(
+    result = _decode_or_none(
         q, k, v, fm, causal=change.get("causal", True), key_mask=mask, state=state,
         return_state=True, chunk_size=change.get("chunk_size", 64),
         backend=change.get("backend"),
@@ -173,6 +182,6 @@ def test_the_environment_variable_chooses_the_backend(monkeypatch: pytest.Monkey
     tokens = _tokens(rng, 1, "float32")
     options = {"causal": True, "key_mask": None, "state": state, "return_state": False}
     monkeypatch.setenv("LINATTN_BACKEND", "array_api")
-    assert _decode.decode(*tokens, fm, chunk_size=64, backend=None, **options) is None
-    out = _decode.decode(*tokens, fm, chunk_size=64, backend="numba", **options)
+    assert _decode_or_none(*tokens, fm, chunk_size=64, backend=None, **options) is None
+    out = _decode_or_none(*tokens, fm, chunk_size=64, backend="numba", **options)
     assert isinstance(out, np.ndarray) and out.shape == (2, 3, 1, VALUE_DIM)

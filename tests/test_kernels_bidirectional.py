@@ -1,4 +1,4 @@
-"""The fused bidirectional CPU pass (``linattn_numba._bidirectional``) against the array API."""
+"""The fused bidirectional CPU pass (``linattn_numba.cpu.bidirectional``) against the array API."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import linattn as la
 from linattn import _dispatch
 from linattn import causal as causal_path
 
-bd = pytest.importorskip("linattn_numba._bidirectional")
+bd = pytest.importorskip("linattn_numba.cpu.bidirectional")
 from linattn_numba import _machinery  # noqa: E402
 
 #: Row-relative error of the outputs and gradients: float64 rounds the same sums in a
@@ -90,19 +90,21 @@ def test_front_door_matches_array_api() -> None:
     fm = la.FeatureMap(16, 32, seed=2)
     q, k, v, mask = inputs(CASES[1], "float64")
     expected = la.linear_attention(q, k, v, fm, key_mask=mask, backend="array_api")
-    assert _dispatch.bidirectional_fused(q, fm, None, backend=None)
+    assert _dispatch.bidirectional_why_not(q, fm, backend=None) is None
+    assert la.plan_attention(q, k, v, fm, key_mask=mask).executor == "fused-bidirectional"
     row_close(_dispatch.fused_bidirectional(q, k, v, fm, mask), expected, RTOL["float64"])
     row_close(la.linear_attention(q, k, v, fm, key_mask=mask), expected, RTOL["float64"])
 
 
 def test_plan_decision() -> None:
     x, fm = np.zeros((2, 4, 16)), la.FeatureMap(16, 32)
-    assert _dispatch.bidirectional_fused(x, fm, None, backend="auto")
-    assert not _dispatch.bidirectional_fused(x, fm, None, backend="array_api")
-    assert not _dispatch.bidirectional_fused(x, fm, object(), backend="auto")  # statistics
+    assert _dispatch.bidirectional_why_not(x, fm, backend="auto") is None
+    assert _dispatch.bidirectional_why_not(x, fm, backend="array_api") == "backend='array_api'"
+    oprf = la.FeatureMap(16, 32, kind="oprf")  # (needs each call's statistics)
+    assert "statistics" in _dispatch.bidirectional_why_not(x, oprf, backend="auto")
     trigonometric = la.FeatureMap(16, 32, kind="trigonometric")  # (not computed in the kernel)
-    assert not _dispatch.bidirectional_fused(x, trigonometric, None, backend="auto")
-    assert not _dispatch.bidirectional_fused([1.0], fm, None, backend="auto")
+    assert "features" in _dispatch.bidirectional_why_not(x, trigonometric, backend="auto")
+    assert "not an array" in _dispatch.bidirectional_why_not([1.0], fm, backend="auto")
 
 
 def vjp_reference(q, k, v, fm, mask, g) -> tuple:

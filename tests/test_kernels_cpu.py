@@ -19,8 +19,8 @@ pytest.importorskip("numba")
 import linattn as la
 from linattn import _dispatch
 from linattn import causal as causal_path
-from linattn.vjp import _normalise_vjp
-from linattn_numba import cpu
+from linattn._adjoints import normalise_vjp
+from linattn_numba import cpu, libraries
 
 RTOL = {"float64": 1e-10, "float32": 1e-5}
 
@@ -79,7 +79,7 @@ def test_forward_equals_array_api(case: tuple, dtype: str) -> None:
     batch, length, m, width, chunk, masked, state = case
     lq, lk, va, kv, mu = make_inputs(0, batch, length, m, width, masked, state, dtype)
     kv_before = kv.copy()
-    out, kv_out, mu_out = cpu.causal_kernel("numpy")(lq, lk, va, kv, mu, chunk)
+    out, kv_out, mu_out = libraries.cpu_causal_kernel("numpy")(lq, lk, va, kv, mu, chunk)
     ref_out, ref_kv, ref_mu = causal_path.causal(np, lq, None, lk, None, va, kv, mu, chunk)
     # Unnormalised outputs carry each row's stabiliser, which depends on how the tokens
     # are grouped (the array-API pass uses blocks of at least d_v + 1 tokens): compare
@@ -113,7 +113,7 @@ def _kernel_cotangents(
     inputs: tuple[np.ndarray, ...], chunk: int, g: np.ndarray, h: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     out, _, mu = cpu.numpy_forward(*inputs, chunk)
-    d_out = _normalise_vjp(np, out, g.astype(out.dtype))
+    d_out = normalise_vjp(np, out, g.astype(out.dtype))
     d_kv = h * np.exp(np.where(np.isfinite(mu), mu, 0))[..., None]
     return d_out.astype(out.dtype), d_kv.astype(out.dtype)
 
@@ -141,7 +141,7 @@ def test_backward_equals_array_api_autograd(case: tuple, dtype: str) -> None:
 
 def test_gradcheck_through_torch_kernel() -> None:
     torch = pytest.importorskip("torch")
-    kernel = cpu.causal_kernel("torch")
+    kernel = libraries.cpu_causal_kernel("torch")
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -274,7 +274,7 @@ def test_broadcast_and_strided_inputs() -> None:
 def test_torch_without_grad_goes_straight_through() -> None:
     torch = pytest.importorskip("torch")
     inputs = make_inputs(8, (2,), 20, 4, 3, False, True, "float32")
-    out, kv, mu = cpu.causal_kernel("torch")(*(torch.from_numpy(x) for x in inputs), 8)
+    out, kv, mu = libraries.cpu_causal_kernel("torch")(*(torch.from_numpy(x) for x in inputs), 8)
     ref = cpu.numpy_forward(*inputs, 8)
     for a, b in zip((out, kv, mu), ref, strict=True):
         assert isinstance(a, torch.Tensor) and a.dtype == torch.float32
@@ -359,7 +359,7 @@ def test_bad_backward_inputs() -> None:
         cpu.numpy_backward(*arrays, 4, d_out, np.zeros((2, 3, 3)))
     pytest.importorskip("torch")
     with pytest.raises(TypeError, match="torch CPU tensor"):
-        cpu.causal_kernel("torch")(*arrays, 4)
+        libraries.cpu_causal_kernel("torch")(*arrays, 4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

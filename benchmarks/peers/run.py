@@ -119,7 +119,7 @@ def make_linattn_torch(q, k, v, causal):
         plan = la.causal_plan(tq, fm)
         path = f"{plan.path} fused={plan.fused}"
     else:
-        path = f"fused={_dispatch.bidirectional_fused(tq, fm, None, backend=None)}"
+        path = f"fused={_dispatch.bidirectional_why_not(tq, fm, backend=None) is None}"
 
     def call():
         with torch.inference_mode():

@@ -1,13 +1,13 @@
 """Causal window, sinks and the fused far keys in one compiled pass
-(:func:`linattn.hybrid.fused_causal_parts`)."""
+(:func:`linattn.paths.fused_causal_parts`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from linattn import hybrid
 from linattn._call import Call
 from linattn.executors.parts import finish, prepare
+from linattn.hybrid import paths
 
 __all__ = ["run"]
 
@@ -15,5 +15,5 @@ __all__ = ["run"]
 def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
     """Run ``call`` (see :mod:`linattn.executors`)."""
     checked = prepare(call, plan)
-    out, far_state = hybrid.fused_causal_parts(checked.info.xp, checked.parts)
+    out, far_state = paths.fused_causal_parts(checked.info.xp, checked.parts)
     return finish(call, checked, out, far_state)

@@ -1,13 +1,13 @@
 """Bidirectional window, sinks and both lagged far passes in one compiled pass
-(:func:`linattn.hybrid.fused_bidirectional_parts`)."""
+(:func:`linattn.paths.fused_bidirectional_parts`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from linattn import hybrid
 from linattn._call import Call
 from linattn.executors.parts import finish, prepare
+from linattn.hybrid import paths
 
 __all__ = ["run"]
 
@@ -15,5 +15,5 @@ __all__ = ["run"]
 def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
     """Run ``call`` (see :mod:`linattn.executors`)."""
     checked = prepare(call, plan)
-    out = hybrid.fused_bidirectional_parts(checked.info.xp, checked.parts)
+    out = paths.fused_bidirectional_parts(checked.info.xp, checked.parts)
     return finish(call, checked, out, {})

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from linattn import _dispatch, hybrid
+from linattn import _dispatch
 from linattn._call import Call, call_statistics, check_state, drop_masked_keys, state_arrays
 from linattn._checks import check_attention_inputs, check_state_options
 from linattn._xp import Array, compute_dtype
 from linattn.calibration import Statistics
 from linattn.features import FeatureMap
+from linattn.hybrid import build
 from linattn.state import LinearAttentionState, empty_state
 
 __all__ = ["Prepared", "finish", "prepare"]
@@ -62,7 +63,7 @@ def prepare(call: Call, scan: _dispatch.Plan) -> Prepared:
     k, v = drop_masked_keys(xp, k, v, key_mask)
     batch = info.batch_shape
     if state is not None:
-        hybrid.check_exact_parts(
+        build.check_exact_parts(
             None, 0, None, xp=xp, causal=causal, state=state, query_length=1, key_length=1, k=k
         )
         batch = check_state(state, feature_map, info, work)
