@@ -98,8 +98,9 @@ def test_step_latency(benchmark: Any, feature_map: la.FeatureMap, bench: Any, on
     benchmark.pedantic(lambda: serial(*ready), rounds=3, iterations=100)
 
 
-def decode_executor(q, k, v, fm, *, state, key_mask=None, chunk_size=None, return_state=False,
-                    **_: Any) -> Any:
+def decode_executor(
+    q, k, v, fm, *, state, key_mask=None, chunk_size=None, return_state=False, **_: Any
+) -> Any:
     """The plan's ``decode`` executor alone (``linattn._decode.step``), no planning."""
     out, after = _decode.step(q, k, v, fm, key_mask, state, chunk_size)
     return (out, after) if return_state else out

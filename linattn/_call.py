@@ -46,6 +46,7 @@ __all__ = [
     "drop_masked_keys",
     "exact_parts_call",
     "grouped_inputs",
+    "hybrid_options",
     "normalise_call",
     "state_arrays",
 ]
@@ -103,6 +104,12 @@ class Call:
             "exact_key_mask": self.exact_key_mask,
             "scale": self.scale,
         }
+
+
+def hybrid_options(**options: Any) -> dict[str, Any]:
+    """The hybrid's options that were set (``window``, ``sink_keys``...; the executors
+    check their values), for layers that pass them on."""
+    return {name: value for name, value in options.items() if value not in (None, 0)}
 
 
 def normalise_call(

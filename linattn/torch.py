@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from linattn._call import hybrid_options
 from linattn._gqa import grouped
 from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap
@@ -120,7 +121,7 @@ class FastAttention(nn.Module):
         self.causal, self.seed, self.redraw_interval = causal, seed, redraw_interval
         self.orthogonal, self.norms, self.scale = orthogonal, norms, template.scale
         self.rebalance, self.chunk_size, self.backend = template.rebalance, chunk_size, backend
-        self.hybrid = _hybrid_options(window=window, sink_keys=sink_keys)
+        self.hybrid = hybrid_options(window=window, sink_keys=sink_keys)
         projection = template.projection
         # float64, as drawn: the map made from the buffer is the seed's map, bit for bit.
         self.register_buffer(
@@ -283,11 +284,6 @@ def _before_forward(module: FastAttention, args: Any) -> None:
 def _after_load(module: FastAttention, incompatible: Any) -> None:
     """A loaded projection (or counters) replaces the map's."""
     module._sync()
-
-
-def _hybrid_options(**options: Any) -> dict[str, Any]:
-    """The hybrid's options that were set (``linear_attention`` checks their values)."""
-    return {name: value for name, value in options.items() if value not in (None, 0)}
 
 
 class MultiheadAttention(nn.Module):

@@ -86,12 +86,12 @@ def plot_model_accuracy(payload: dict[str, Any], path: Path) -> Path:
     """Per-layer error (left) and mean cosine on 128+ tokens (right), by configuration."""
     from matplotlib import colormaps
 
-    from linattn.cli._plots import _figure
+    from linattn.cli._plots import new_figure
 
     rows = [r for r in payload["results"] if r["available"]]
     families = list(dict.fromkeys(r["family"] for r in rows))
     colours = {f: colormaps["tab10"](i) for i, f in enumerate(families)}
-    fig = _figure(13, 5.5)
+    fig = new_figure(13, 5.5)
     left, right = fig.subplots(1, 2)
     for row in rows:
         left.plot(row["layer_errors"], marker="o", color=colours[row["family"]], alpha=0.7)

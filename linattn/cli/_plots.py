@@ -14,7 +14,7 @@ from linattn.cli._accuracy import AccuracyRow
 from linattn.cli._benchmark import BenchRow, Crossover
 from linattn.cli._report import MIB, ordered
 
-__all__ = ["plot_accuracy", "plot_bench", "plot_demo"]
+__all__ = ["new_figure", "plot_accuracy", "plot_bench", "plot_demo"]
 
 # -- plots ----------------------------------------------------------------------------
 
@@ -22,7 +22,7 @@ COLORS = {"exact": "tab:red", "linear": "tab:blue"}
 STYLES = {"bidirectional": "-", "causal": "--"}
 
 
-def _figure(width: float, height: float) -> Any:
+def new_figure(width: float, height: float) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -105,7 +105,7 @@ def plot_accuracy(rows: Sequence[AccuracyRow], path: Path, title: str) -> Path:
     """Error against m, log-log, one line per estimator, standard errors as bars."""
     labels = {"mse": "attention output MSE", "tv": "total variation of attention rows"}
     metrics = [metric for metric in labels if any(r.metric == metric for r in rows)]
-    figure = _figure(4.5 * len(metrics), 3.4)
+    figure = new_figure(4.5 * len(metrics), 3.4)
     axes = figure.subplots(1, len(metrics), squeeze=False)[0]
     for ax, metric in zip(axes, metrics, strict=True):
         _accuracy_axes(ax, rows, metric, labels[metric])
@@ -119,7 +119,7 @@ def plot_bench(
     rows: Sequence[BenchRow], found: Sequence[Crossover], path: Path, title: str
 ) -> Path:
     """Time and peak memory against L, exact and linear, bidirectional and causal."""
-    figure = _figure(9, 3.4)
+    figure = new_figure(9, 3.4)
     left, right = figure.subplots(1, 2)
     _bench_axes(left, rows, "seconds", 1e3, "time (ms)")
     _bench_axes(right, rows, "peak_bytes", 1 / MIB, "peak memory (MiB)")
@@ -139,7 +139,7 @@ def plot_demo(
     title: str,
 ) -> Path:
     """The one-picture summary: error vs m, time vs L, memory vs L."""
-    figure = _figure(12, 3.4)
+    figure = new_figure(12, 3.4)
     first, second, third = figure.subplots(1, 3)
     _accuracy_axes(first, accuracy, "mse", "attention output MSE")
     first.legend(fontsize=7)

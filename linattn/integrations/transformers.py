@@ -17,11 +17,11 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from linattn._call import hybrid_options
 from linattn._gqa import grouped
 from linattn.attention import linear_attention
 from linattn.features import SOFTMAX_KINDS, FeatureMap
 from linattn.state import LinearAttentionState
-from linattn.torch import _hybrid_options
 
 __all__ = ["NAME", "LinearAttentionCache", "attention_forward", "register"]
 
@@ -56,7 +56,7 @@ def register(**options: Any) -> None:
         raise TypeError(
             f"register takes num_features, kind, seed, window, sink_keys; got {sorted(unknown)}"
         )
-    _hybrid_options(window=options.get("window"), sink_keys=options.get("sink_keys", 0))
+    hybrid_options(window=options.get("window"), sink_keys=options.get("sink_keys", 0))
     _options.update(options)
     AttentionInterface.register(NAME, attention_forward)
     # Without a mask function of its own an implementation gets no mask at all; SDPA's
@@ -117,7 +117,7 @@ def attention_forward(
                 key_mask=key_mask,
                 state=layer.state,
                 return_state=True,
-                **_hybrid_options(**options),
+                **hybrid_options(**options),
             )
         else:
             out = linear_attention(
@@ -127,7 +127,7 @@ def attention_forward(
                 feature_map,
                 causal=causal,
                 key_mask=key_mask,
-                **_hybrid_options(**options),
+                **hybrid_options(**options),
             )
     return ungroup(out).transpose(1, 2).contiguous(), None
 
