@@ -117,8 +117,8 @@ def _decode_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
 
 def _dask_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
     """Dask arrays: a graph over their sequence chunks."""
-    if scan.path != "dask-scan":
-        return "not Dask arrays" if not call.exact_parts else "exact parts run portably"
+    if not array_api_compat.is_dask_array(call.q):
+        return "not Dask arrays"
     return "exact parts run portably on Dask arrays" if call.exact_parts else None
 
 
@@ -232,8 +232,8 @@ def plan_call(call: Call) -> AttentionPlan:
             scan = _scan_plan(call)
         reason = why_not(call, scan)
         if reason is None:
-            doc = (why_not.__doc__ or "").strip().split("\n")[0] or "every call"
-            return AttentionPlan(name, doc.rstrip("."), tuple(rejected), scan)
+            doc = (why_not.__doc__ or "").strip().split("\n")[0].rstrip(".")
+            return AttentionPlan(name, doc[:1].lower() + doc[1:], tuple(rejected), scan)
         rejected.append((name, reason))
     raise AssertionError("the portable executor serves every call")  # pragma: no cover
 

@@ -24,6 +24,7 @@ from linattn.cli._benchmark import (
 )
 from linattn.cli._console import Console, progress
 from linattn.cli._machine import machine_info
+from linattn.cli._plans import plan_line
 
 __all__ = ["accuracy", "bench", "causal_path", "demo"]
 
@@ -43,6 +44,7 @@ def _machine_header(library: ArrayLibrary, extra: dict[str, str]) -> dict[str, s
     pairs = machine_info()
     pairs[library.name] = f"{library.version} on {library.device}"
     pairs["causal path"] = causal_path(library)
+    pairs["plan"] = plan_line(library)
     pairs.update(extra)
     return pairs
 

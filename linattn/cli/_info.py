@@ -18,6 +18,7 @@ from linattn.cli._backends import ARRAY_LIBRARIES, BackendUnavailable
 from linattn.cli._commands import causal_path
 from linattn.cli._console import Console
 from linattn.cli._machine import import_optional, machine_info, package_version
+from linattn.cli._plans import call_plans
 from linattn.cli._report import compact_table, json_text, key_value_table
 
 __all__ = ["info"]
@@ -90,6 +91,12 @@ def _backend_report() -> list[dict[str, str]]:
     return rows
 
 
+def _plan_report() -> dict[str, str]:
+    """For each typical call on NumPy arrays: the plan in words (``linattn.plan_attention``)."""
+    library = _backends.load_library("numpy", "float32")
+    return {name: str(plan) for name, plan in call_plans(library).items()}
+
+
 def _hinted(status: str) -> str:
     """A kernel status, with the extra to install when numba itself is missing."""
     if import_optional("numba") is not None or "linattn[numba]" in status:
@@ -128,10 +135,12 @@ def info(args: argparse.Namespace) -> int:
         "numba threads": _numba_threads(),
     }
     machine = machine_info()
+    plans = _plan_report()
     payload = {
         "versions": versions,
         "backends": backends,
         "kernels": kernels,
+        "plans": plans,
         "settings": settings,
         "machine": machine,
     }
@@ -147,6 +156,7 @@ def info(args: argparse.Namespace) -> int:
         table.add_row(row["backend"], row["available"], row["device"], row["causal"])
     console.print(table)
     console.print(key_value_table("Compiled kernels", kernels))
+    console.print(key_value_table("Plans (NumPy float32: executor, reason, not chosen)", plans))
     console.print(key_value_table("Settings", settings))
     console.print(key_value_table("Machine", machine))
     return 0
