@@ -151,6 +151,7 @@ def step(
     constants = map_constants(feature_map, q.dtype)
     assert constants is not None
     kernel = _dispatch.decode_kernel()
+    assert kernel is not None  # (the plan asked for it)
     out, kv, log_shift = kernel(
         q,
         k,

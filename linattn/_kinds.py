@@ -126,7 +126,7 @@ class _Exponential(FeatureKind):
             proj = xp.concat([proj, -proj], axis=-1)
         log_phi = proj - i.half_norm + offset
         if self.oprf:
-            energy = np.sum(fm.projection**2, axis=1)  # type: ignore[operator]
+            energy = np.sum(fm.projection**2, axis=1)
             if self.antithetic:
                 energy = np.concatenate([energy, energy])
             x = i.x
