@@ -72,6 +72,7 @@ def fused(q, k, v, fm, mask) -> tuple:
     )
 
 
+@pytest.mark.sweep  # every case, kind and dtype; all their combinations: -m exhaustive
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("case", CASES)

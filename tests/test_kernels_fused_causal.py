@@ -95,6 +95,7 @@ def unfused(q, k, v, fm, mask, kv, mu, chunk, g, g_lse, g_kv) -> tuple:
     return (out, kv_out, mu_out, lse), (dq, dk, d_va[..., :-1], d_kv)
 
 
+@pytest.mark.sweep  # every case, kind and dtype; all their combinations: -m exhaustive
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("case", CASES)
