@@ -111,11 +111,13 @@ def _test(
 
 @session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format) and mypy."""
-    session.install("-e", ".", "ruff>=0.6", "mypy>=1.10", "numpy")
+    """ruff (lint and format), mypy, and the layers (import-linter's contracts in
+    ``pyproject.toml``; ``tests/test_structure.py`` checks private names and cycles)."""
+    session.install("-e", ".", "ruff>=0.6", "mypy>=1.10", "numpy", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+    session.run("lint-imports")
 
 
 @session
@@ -200,14 +202,8 @@ def kernels(session: nox.Session) -> None:
     session.run(
         "pytest",
         "--doctest-modules",
-        "linattn_numba/cpu.py",
-        "linattn_numba/_torch.py",
-        "linattn_numba/_machinery.py",
-        "linattn_numba/_window.py",
-        "linattn_numba/_hybrid.py",
-        "linattn_numba/_bidirectional.py",
-        "linattn_numba/_decode.py",
-        "linattn_numba/_fused_causal.py",
+        "linattn_numba",
+        "--ignore=linattn_numba/gpu",  # (numba-cuda: the cudasim session's)
         "-p",
         "no:cacheprovider",
     )

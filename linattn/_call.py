@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import array_api_compat
@@ -55,8 +54,7 @@ __all__ = [
 EXACT_FINGERPRINT = "exact"
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """One call of :func:`linattn.linear_attention`, its arguments normalised.
 
     Grouped queries are broadcasting views already (``ungroup`` restores the caller's
@@ -175,11 +173,17 @@ def grouped_inputs(
     through to the checks, which name what is wrong (a mask of another rank included,
     before its axes could be read as heads).
     """
-    arrays = (q, k, v)
+    q_shape, k_shape = getattr(q, "shape", None), getattr(k, "shape", None)
+    if not (  # (cheap tests first: most calls, decoding steps among them, stop here)
+        isinstance(q_shape, tuple)
+        and isinstance(k_shape, tuple)
+        and len(q_shape) == len(k_shape) >= 3
+        and q_shape[-3] != k_shape[-3]
+    ):
+        return q, k, v, key_mask, None
     if (
-        all(array_api_compat.is_array_api_obj(x) and x.ndim >= 3 for x in arrays)
-        and q.ndim == k.ndim == v.ndim
-        and q.shape[-3] != k.shape[-3]
+        all(array_api_compat.is_array_api_obj(x) for x in (q, k, v))
+        and v.ndim == q.ndim
         and 1 not in (q.shape[-3], k.shape[-3])  # one head (or grouped already) broadcasts
         and q.shape[-3] % k.shape[-3] == 0  # else the batch check names the shapes
         and (key_mask is None or getattr(key_mask, "ndim", None) in (1, k.ndim - 1))

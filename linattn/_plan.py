@@ -15,8 +15,7 @@ attend)``) and one line in :data:`EXECUTORS` with its requirement.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 import numpy as np
@@ -45,8 +44,7 @@ Result = tuple[Any, LinearAttentionState | None]
 Executor = Callable[[Call, "AttentionPlan", Callable[[Call], Result]], Result]
 
 
-@dataclass(frozen=True)
-class AttentionPlan:
+class AttentionPlan(NamedTuple):
     """Who runs one call, why, and why every executor asked before it did not.
 
     Attributes
@@ -205,6 +203,11 @@ EXECUTORS: tuple[tuple[str, Callable[[Call, _dispatch.Plan], str | None], Execut
     ("portable", _always, portable.run),
 )
 _RUN = {name: run for name, _, run in EXECUTORS}
+#: Why each executor serves a call it takes: its requirement's first docstring line.
+_REASONS = {
+    name: (doc := (why_not.__doc__ or "").strip().split("\n")[0].rstrip("."))[:1].lower() + doc[1:]
+    for name, why_not, _ in EXECUTORS
+}
 
 
 def _scan_plan(call: Call) -> _dispatch.Plan:
@@ -232,8 +235,7 @@ def plan_call(call: Call) -> AttentionPlan:
             scan = _scan_plan(call)
         reason = why_not(call, scan)
         if reason is None:
-            doc = (why_not.__doc__ or "").strip().split("\n")[0].rstrip(".")
-            return AttentionPlan(name, doc[:1].lower() + doc[1:], tuple(rejected), scan)
+            return AttentionPlan(name, _REASONS[name], tuple(rejected), scan)
         rejected.append((name, reason))
     raise AssertionError("the portable executor serves every call")  # pragma: no cover
 
