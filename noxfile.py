@@ -57,6 +57,11 @@ NUMBA_CACHE_DIR = tempfile.mkdtemp(prefix="linattn-numba-cache-")
 atexit.register(shutil.rmtree, NUMBA_CACHE_DIR, ignore_errors=True)
 #: The environment every session's commands get: the cache above, switched on.
 CACHE_ENV = {"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR, "LINATTN_NUMBA_CACHE": "1"}
+#: ``.ci/run`` runs the default set as two nox processes at once, one per tag (CI has two
+#: cores, and most of a session is one busy process: pip, Numba's or XLA's compiler):
+#: ``numba``, these sessions, which compile the kernels, in this order, sharing their run's
+#: compile cache (kernels first, cold); ``arrays``, the other default sessions (no Numba).
+NUMBA_SESSIONS = ("kernels", "cudasim", "ptx", "docs")
 #: Seconds each session of this run took (its commands, not its virtualenv's creation).
 TIMES: dict[str, float] = {}
 
@@ -89,7 +94,8 @@ def session(
                 if DISCARD_VENVS and location and os.path.isdir(location):
                     shutil.rmtree(location, ignore_errors=True)
 
-        return nox.session(python=PYTHON, default=default)(run)
+        group = "numba" if func.__name__ in NUMBA_SESSIONS else "arrays"
+        return nox.session(python=PYTHON, default=default, tags=[group] if default else [])(run)
 
     return decorate if func is None else decorate(func)
 
