@@ -322,7 +322,7 @@ def preflight(res: Results, opts: argparse.Namespace) -> None:
 
     import numpy as np
 
-    from linattn_numba import _cuda
+    from linattn_numba.gpu import target as _cuda
 
     res.emit("python", None, detail=f"{platform.python_version()} {sys.executable}")
     for part, (path, note) in _cuda.toolchain().items():
@@ -448,7 +448,7 @@ def torch_routes(res: Results, shape: tuple[int, ...]) -> None:
     import torch
 
     import linattn as la
-    from linattn_numba import gpu
+    from linattn_numba import libraries
 
     batch, length, m, dv, chunk = shape
     rng = np.random.default_rng(5)
@@ -457,7 +457,7 @@ def torch_routes(res: Results, shape: tuple[int, ...]) -> None:
     with res.guard("torch autograd through the kernel"):
         want = torch_reference_grads(host, chunk, r_out, r_state)
         ts = [torch.tensor(a, device="cuda", requires_grad=i < 4) for i, a in enumerate(host)]
-        out, kv, mu = gpu.causal_kernel("torch")(*ts, chunk)
+        out, kv, mu = libraries.cuda_causal_kernel("torch")(*ts, chunk)
         o = out[..., :-1] / out[..., -1:]
         loss = (o * torch.tensor(r_out, device="cuda")).sum()
         loss = loss + (torch.exp(mu)[..., None] * kv * torch.tensor(r_state, device="cuda")).sum()
@@ -528,9 +528,11 @@ class Breakdown:
         self.pending: list[tuple[str, Any, Any]] = []
 
     def __enter__(self) -> Breakdown:
-        from linattn_numba import _cuda, _gpu_blas, gpu
+        from linattn_numba.gpu import blas as _gpu_blas
+        from linattn_numba.gpu import host
+        from linattn_numba.gpu import target as _cuda
 
-        self.original = original = gpu._Launcher.__call__
+        self.original = original = host._Launcher.__call__
         cuda = _cuda.cuda
 
         def record(stream: Any, name: str, call: Callable[[], Any]) -> Any:
@@ -563,13 +565,15 @@ class Breakdown:
         self.matmuls = dict(_gpu_blas.MATMULS)
         for library, matmul in self.matmuls.items():
             _gpu_blas.MATMULS[library] = timed_matmul(matmul)
-        gpu._Launcher.__call__ = timed  # type: ignore[method-assign]
+        host._Launcher.__call__ = timed  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from linattn_numba import _cuda, _gpu_blas, gpu
+        from linattn_numba.gpu import blas as _gpu_blas
+        from linattn_numba.gpu import host
+        from linattn_numba.gpu import target as _cuda
 
-        gpu._Launcher.__call__ = self.original  # type: ignore[method-assign]
+        host._Launcher.__call__ = self.original  # type: ignore[method-assign]
         _gpu_blas.MATMULS.update(self.matmuls)
         for name, start, end in self.pending:
             end.synchronize()

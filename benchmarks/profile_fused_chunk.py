@@ -16,7 +16,8 @@ import numpy as np
 from numba import njit
 
 import linattn as la
-from linattn_numba import cpu
+from linattn_numba import _machinery
+from linattn_numba.cpu import chunks, features, scalars
 
 STAGES = ("base", "features", "shifts", "intra", "readout", "absorb")
 
@@ -28,7 +29,7 @@ def run(q, k, v, projection, consts, chunk, span, level):  # type: ignore[no-unt
     dtype = q.dtype
     kv = np.zeros((m, dv + 1), dtype)
     mu = np.full(m, -np.inf, dtype)
-    work, square, vecs, state_out, product = cpu._workspace(chunk, m, dv + 1, dtype)
+    work, square, vecs, state_out, product = chunks.chunk_workspace(chunk, m, dv + 1, dtype)
     proj = np.empty((0, m), dtype)
     lq, lk = np.empty((span, m), dtype), np.empty((span, m), dtype)
     va, block = np.empty((span, dv + 1), dtype), np.zeros((chunk, dv + 1), dtype)
@@ -36,8 +37,8 @@ def run(q, k, v, projection, consts, chunk, span, level):  # type: ignore[no-unt
     for s0 in range(0, length, span):
         n = min(s0 + span, length) - s0
         if level >= 1:
-            cpu._log_features(q[s0 : s0 + n], projection, consts, False, proj, lq[:n])
-            cpu._log_features(k[s0 : s0 + n], projection, consts, False, proj, lk[:n])
+            features.log_features(q[s0 : s0 + n], projection, consts, False, proj, lq[:n])
+            features.log_features(k[s0 : s0 + n], projection, consts, False, proj, lk[:n])
         for i in range(n):
             va[i, :dv] = v[s0 + i]
             va[i, dv] = 1
@@ -49,9 +50,9 @@ def run(q, k, v, projection, consts, chunk, span, level):  # type: ignore[no-unt
                 intra = square[1][: c * c].reshape(c, c)
                 ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
                 g, run_max, w, fq = vecs[3][:c], vecs[4][:c], vecs[5][:c], vecs[7][:c]
-                has_state = cpu._safe_shift(mu, ms)
+                has_state = scalars.safe_shift(mu, ms)
                 lqc, lkc, vac = lq[t0 : t0 + c], lk[t0 : t0 + c], va[t0 : t0 + c]
-                cpu._chunk_shifts(lqc, lkc, ms, has_state, u, psi, g, run_max, w, weights, fq)
+                chunks.chunk_shifts(lqc, lkc, ms, has_state, u, psi, g, run_max, w, weights, fq)
                 if level >= 3:
                     np.dot(u, psi.T, intra)
                     intra *= weights
@@ -61,7 +62,7 @@ def run(q, k, v, projection, consts, chunk, span, level):  # type: ignore[no-unt
                     for i in range(c):
                         block[i] += w[i] * state_out[i]
                 if level >= 5:
-                    cpu._absorb(
+                    chunks.absorb(
                         lkc, vac, kv, mu, ms, phi, top, shift, decay, product, psi, g, True
                     )
             for i in range(c):
@@ -79,9 +80,9 @@ def main() -> None:
     consts = np.array([0.5 * fm.scale, 0.5 * np.log(256)], np.float32)
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(args.length, 64)).astype(np.float32) for _ in range(3))
-    chunk, span = 64, cpu.FEATURE_BLOCK
+    chunk, span = 64, features.FEATURE_BLOCK
     best = dict.fromkeys(range(len(STAGES)), float("inf"))
-    with cpu._single_threaded_blas():
+    with _machinery.single_threaded_blas():
         for level in best:  # compile
             run(q[:span], k[:span], v[:span], projection, consts, chunk, span, level)
         for _ in range(args.repeat):

@@ -25,7 +25,7 @@ import pytest
 import linattn as la
 from linattn import _dispatch
 
-pytest.importorskip("linattn_numba._bidirectional")
+pytest.importorskip("linattn_numba.cpu.bidirectional")
 torch = pytest.importorskip("torch")
 
 HEADS, HEAD_DIM, FEATURES = 8, 64, 256

@@ -13,10 +13,11 @@ Paths, forward (``la.linear_attention``):
 
 Forward and backward: ``torch fused`` and ``torch old`` are the forward plus
 ``torch.autograd.grad`` of ``sum(g * out)`` for ``q``, ``k``, ``v``; ``numpy fused`` is
-``linattn_numba._fused_causal.forward`` then ``backward`` (the same two kernels without
-torch); ``numpy vjp`` is ``la.linear_attention_vjp`` (gradients only: the fused passes
-now) and ``numpy vjp old`` the same forced onto its former route (log-features, then the
-unfused kernels on ``L x m`` arrays).  Goal: torch within 10 % of NumPy, time and peak
+``linattn_numba.cpu.fused_causal.forward`` then
+``linattn_numba.cpu.fused_causal_backward.backward`` (the same two kernels without torch);
+``numpy vjp`` is ``la.linear_attention_vjp`` (gradients only: the fused passes now) and
+``numpy vjp old`` the same forced onto its former route (log-features, then the unfused
+kernels on ``L x m`` arrays).  Goal: torch within 10 % of NumPy, time and peak
 memory.
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("linattn_numba._fused_causal")
+pytest.importorskip("linattn_numba.cpu.fused_causal")
 torch = pytest.importorskip("torch")
 
 LENGTH = 16384
@@ -47,7 +48,7 @@ PATHS = textwrap.dedent(
 
     import linattn as la
     from linattn import _dispatch
-    from linattn_numba import _fused_causal
+    from linattn_numba.cpu import fused_causal, fused_causal_backward
 
     FM = la.FeatureMap(64, 256, seed=0)
 
@@ -69,8 +70,9 @@ PATHS = textwrap.dedent(
     def numpy_backward(q, k, v, g):
         state = np.zeros((1, 8, 256, 65), np.float32), np.full((1, 8, 256), -np.inf, np.float32)
         options = dict(hyperbolic=False, scale=FM.scale, chunk_size=64)
-        out, *_ = _fused_causal.forward(q, k, v, FM.projection, *state, **options)
-        return (out, *_fused_causal.backward(q, k, v, FM.projection, *state, out, g, **options))
+        out, *_ = fused_causal.forward(q, k, v, FM.projection, *state, **options)
+        grads = fused_causal_backward.backward(q, k, v, FM.projection, *state, out, g, **options)
+        return (out, *grads)
 
 
     def old_numpy(q, k, v, g):

@@ -3,7 +3,7 @@
 
 Workload: B=1, H=8, d=64, float32, causal, window w = 64.  Goals (ratios from one run,
 never asserted): exact sliding-window attention (``feature_map=None``, the compiled
-window kernel ``linattn_numba._window``) linear in L (``time(32768) / time(16384)`` in
+window kernel ``linattn_numba.cpu.window``) linear in L (``time(32768) / time(16384)`` in
 [1.8, 2.2]) and at least 2x faster than the banded NumPy reference below; the hybrid
 (window + 4 sinks + m = 256 random features) within 1.3x of random features alone, in
 wall time and in CPU time (the process's threads; steadier when other jobs load the
@@ -21,7 +21,7 @@ import pytest
 
 import linattn as la
 
-pytest.importorskip("linattn_numba._window")
+pytest.importorskip("linattn_numba.cpu.window")
 
 WINDOW, SINKS, LENGTHS = 64, 4, (16384, 32768)
 

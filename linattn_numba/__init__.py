@@ -3,6 +3,22 @@
 This package knows nothing of ``linattn``: it takes and returns arrays.  It is
 imported lazily, by ``linattn._dispatch`` only.
 
+Layout, dependencies pointing down (``[tool.importlinter]`` in ``pyproject.toml`` keeps
+it so):
+
+* bindings: :mod:`linattn_numba.libraries` (which kernel serves which array library),
+  :mod:`linattn_numba.torch_ops` (the torch custom operators, CPU and CUDA) and
+  :mod:`linattn_numba.gpu.host` (the CUDA host side);
+* passes: :mod:`linattn_numba.cpu.causal`, ``fused_causal``, ``fused_causal_backward``,
+  ``bidirectional``, ``hybrid``, ``window`` and ``decode`` (each a compiled pass and its
+  checked NumPy entry point);
+* primitives: :mod:`linattn_numba.cpu.chunks`, ``features``, ``exact``, ``scalars``,
+  ``arrays`` and ``calls``, and the CUDA device code :mod:`linattn_numba.gpu.kernels`
+  and :mod:`linattn_numba.gpu.blas`;
+* :mod:`linattn_numba._machinery` (compiling, threads, BLAS), :mod:`linattn_numba._contract`
+  (the kernel argument contract) and :mod:`linattn_numba.gpu.target` (the one module that
+  imports numba's CUDA target).
+
 Kernel contract (CPU and CUDA alike)::
 
     kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
@@ -39,10 +55,10 @@ def cpu_status() -> str:
 def cuda_status() -> str:
     """``"available"`` or why the CUDA kernels cannot run (e.g. no GPU found)."""
     try:
-        from linattn_numba import _cuda
+        from linattn_numba.gpu import target
     except ImportError as error:
         return f"unavailable: {error}; install linattn[cuda12] or linattn[cuda13]"
-    return _cuda.status()
+    return target.status()
 
 
 def causal_kernel_for(x: Any) -> tuple[Kernel | None, str]:
@@ -65,9 +81,9 @@ def _cpu_kernel(library: str) -> tuple[Kernel | None, str]:
     status = cpu_status()
     if status != "available":
         return None, status
-    from linattn_numba import cpu
+    from linattn_numba import libraries
 
-    return cpu.causal_kernel(library), "available"
+    return libraries.cpu_causal_kernel(library), "available"
 
 
 def _cuda_kernel(library: str) -> tuple[Kernel | None, str]:
@@ -76,6 +92,6 @@ def _cuda_kernel(library: str) -> tuple[Kernel | None, str]:
         return None, status
     # The module is ``gpu``, not ``cuda``: numba-cuda's import hook redirects any module
     # whose name contains "numba.cuda", and "linattn_numba.cuda" would recurse.
-    from linattn_numba import gpu
+    from linattn_numba import libraries
 
-    return gpu.causal_kernel(library), "available"
+    return libraries.cuda_causal_kernel(library), "available"

@@ -18,7 +18,7 @@ import pytest
 if importlib.util.find_spec("numba_cuda") is None:
     pytest.skip("numba-cuda is not installed", allow_module_level=True)
 
-from linattn_numba import _cuda
+from linattn_numba.gpu import target as _cuda
 
 if _cuda.status() != "available":
     pytest.skip(
@@ -27,7 +27,8 @@ if _cuda.status() != "available":
     )
 
 from linattn import causal as array_api
-from linattn_numba import gpu
+from linattn_numba import gpu, libraries
+from linattn_numba.gpu import host
 
 RNG = np.random.default_rng(20261129)
 
@@ -78,7 +79,7 @@ def _forward(
     args: tuple[np.ndarray, ...], chunk: int, design: str | None = None
 ) -> tuple[np.ndarray, ...]:
     if design is None:
-        return gpu.causal_kernel("numpy")(*args, chunk)
+        return libraries.cuda_causal_kernel("numpy")(*args, chunk)
     return gpu.forward("numpy", *args, chunk, design)
 
 
@@ -324,14 +325,14 @@ def test_bad_input_is_rejected_before_any_launch(call, error, name, monkeypatch)
     def no_launch(*args, **kwargs):
         raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(gpu._Launcher, "__call__", no_launch)
+    monkeypatch.setattr(host._Launcher, "__call__", no_launch)
     with pytest.raises(error, match=name):
         gpu.forward("numpy", *call)
 
 
 def test_library_names() -> None:
     with pytest.raises(ValueError, match="library"):
-        gpu.causal_kernel("jax")
+        libraries.cuda_causal_kernel("jax")
 
 
 # --------------------------------------------------------------------------------------
@@ -409,7 +410,7 @@ def test_launch_ignores_numba_cuda_performance_warnings(monkeypatch) -> None:
 
             return launch
 
-    launcher = gpu._Launcher.__new__(gpu._Launcher)
+    launcher = host._Launcher.__new__(host._Launcher)
     launcher.kernels = type("K", (), {"probe": Kernel()})()
     launcher.stream = 0
     launcher.library_view = lambda x: x

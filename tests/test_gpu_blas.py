@@ -17,7 +17,7 @@ import pytest
 if importlib.util.find_spec("numba_cuda") is None:
     pytest.skip("numba-cuda is not installed", allow_module_level=True)
 
-from linattn_numba import _cuda
+from linattn_numba.gpu import target as _cuda
 
 if _cuda.status() != "available":
     pytest.skip(
@@ -27,7 +27,8 @@ if _cuda.status() != "available":
 
 from test_cuda import CASES, RNG, _close, _inputs, _reference
 
-from linattn_numba import _gpu_blas, gpu
+from linattn_numba import gpu, libraries
+from linattn_numba.gpu import blas as _gpu_blas
 
 
 def _blas(args: tuple[np.ndarray, ...], chunk: int) -> tuple[np.ndarray, ...]:
@@ -184,10 +185,10 @@ def test_environment_routes_forward_to_the_blas_design(monkeypatch) -> None:
     monkeypatch.setattr(_gpu_blas, "forward", spy)
     args = _inputs((1,), 5, 3, 2, False, False)
     monkeypatch.delenv(gpu.DESIGN_VARIABLE, raising=False)
-    gpu.causal_kernel("numpy")(*args, 4)
+    libraries.cuda_causal_kernel("numpy")(*args, 4)
     assert called == []
     monkeypatch.setenv(gpu.DESIGN_VARIABLE, "blas")
-    gpu.causal_kernel("numpy")(*args, 4)
+    libraries.cuda_causal_kernel("numpy")(*args, 4)
     gpu.forward("numpy", *args, 4, allow_tf32=True)
     assert called == [False, True]
 

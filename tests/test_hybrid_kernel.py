@@ -1,4 +1,4 @@
-"""The one-pass causal hybrid kernel (``linattn_numba._hybrid``) against the portable parts.
+"""The one-pass causal hybrid kernel (``linattn_numba.cpu.hybrid``) against the portable parts.
 
 The reference is ``linear_attention`` itself on ``array_api_strict`` arrays (which no
 kernel serves): the window, the sinks and the far keys as separate parts, merged.  The
@@ -16,7 +16,7 @@ import pytest
 import linattn as la
 from linattn import _dispatch
 
-_hybrid = pytest.importorskip("linattn_numba._hybrid")
+_hybrid = pytest.importorskip("linattn_numba.cpu.hybrid")
 xps = pytest.importorskip("array_api_strict")
 
 #: The same estimate rounded differently: float64 agrees to a few hundred ulp of the
@@ -220,7 +220,7 @@ def test_bidirectional_kernel_against_a_quadratic_reference(kind: str) -> None:
 
 
 def _bidirectional_launches() -> int:
-    from linattn_numba import _bidirectional as kernel
+    from linattn_numba.cpu import bidirectional as kernel
 
     return sum(kernel._forward.launches.values())
 
@@ -241,7 +241,7 @@ def test_bidirectional_log_normaliser_against_a_reference(kind: str, dtype: str)
     """``log sum_j phi(q_t) . phi(k_j)`` over the kept keys, written out in float64 with
     the map's own log-features; ``-inf`` for a row of queries that sees no key, and the
     outputs those of the plain call."""
-    from linattn_numba import _bidirectional as kernel
+    from linattn_numba.cpu import bidirectional as kernel
 
     rng = np.random.default_rng(8)
     q, k = (rng.normal(size=(3, 40, D)).astype(dtype) for _ in range(2))

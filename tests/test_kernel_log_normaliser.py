@@ -230,7 +230,7 @@ def dense_torch_loss(torch, lq, lk, va, prefix, a, b):
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_backward_and_torch_op_match_a_dense_reference(chunk: int) -> None:
     torch = pytest.importorskip("torch")
-    from linattn_numba import _torch
+    from linattn_numba import torch_ops as _torch
 
     full, inputs, a, b = loss_inputs(6)
     # Reference: autograd through the dense formula over prefix + call keys, gradients
@@ -265,7 +265,7 @@ def test_backward_and_torch_op_match_a_dense_reference(chunk: int) -> None:
 def cuda_or_skip():
     if importlib.util.find_spec("numba_cuda") is None:
         pytest.skip("numba-cuda is not installed")
-    from linattn_numba import _cuda
+    from linattn_numba.gpu import target as _cuda
 
     if _cuda.status() != "available":
         pytest.skip(f"CUDA kernels cannot run here ({_cuda.status()}); NUMBA_ENABLE_CUDASIM=1")
@@ -311,7 +311,7 @@ def test_cuda_log_scale_gives_the_log_normaliser(design: str, chunk: int, with_s
 def test_torch_opcheck_scaled(dtype: str) -> None:
     """Schema, fake (``torch.compile``) and autograd registration of the new operator."""
     torch = pytest.importorskip("torch")
-    from linattn_numba import _torch  # noqa: F401  (registers the operators)
+    from linattn_numba import torch_ops  # noqa: F401  (registers the operators)
 
     _, inputs, _, _ = loss_inputs(8)
     args = [torch.tensor(x.astype(dtype)[:1, :1, :9]) for x in inputs[:3]]
@@ -323,7 +323,7 @@ def test_torch_opcheck_scaled(dtype: str) -> None:
 
 def test_torch_compile_scaled_matches_eager() -> None:
     torch = pytest.importorskip("torch")
-    from linattn_numba import _torch
+    from linattn_numba import torch_ops as _torch
 
     _, inputs, _, _ = loss_inputs(9)
     tensors = [torch.tensor(x) for x in inputs]

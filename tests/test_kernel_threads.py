@@ -25,7 +25,8 @@ import numba
 
 import linattn as la
 from linattn import cli
-from linattn_numba import _machinery, cpu
+from linattn_numba import _machinery
+from linattn_numba.cpu import fused_causal
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,9 +108,10 @@ def test_thread_pool_with_the_workqueue_layer(tmp_path: Path) -> None:
 
 CACHES = """
 import numba
-from linattn_numba import cpu
-kernels = [x for x in vars(cpu).values() if isinstance(x, numba.core.dispatcher.Dispatcher)]
-kernels += [d for x in vars(cpu).values() for d in getattr(x, "dispatchers", {}).values()]
+from linattn_numba.cpu import causal, chunks, features, fused_causal, scalars
+cpu = [x for m in (scalars, features, chunks, causal, fused_causal) for x in vars(m).values()]
+kernels = [x for x in cpu if isinstance(x, numba.core.dispatcher.Dispatcher)]
+kernels += [d for x in cpu for d in getattr(x, "dispatchers", {}).values()]
 print(sorted({type(k._cache).__name__ for k in kernels}), len(kernels))
 """
 
@@ -142,9 +144,9 @@ def test_a_decode_step_launches_the_serial_variant() -> None:
     rng = np.random.default_rng(0)
     fm = la.FeatureMap(16, 32, seed=0)
     x = rng.standard_normal((4, 1, 16))
-    before = dict(cpu._forward_fused.launches)
+    before = dict(fused_causal._forward_fused.launches)
     la.linear_attention(x, x, x, fm, causal=True, backend="numba")
-    after = cpu._forward_fused.launches
+    after = fused_causal._forward_fused.launches
     assert after["serial"] == before.get("serial", 0) + 1
     assert after["parallel"] == before.get("parallel", 0)
 
@@ -191,7 +193,7 @@ def test_concurrent_kernels_leave_blas_threads_as_they_were() -> None:
     original = [lib.num_threads for lib in controller.select(user_api="blas").lib_controllers]
     if max(original) < 2:
         pytest.skip("BLAS runs one thread here anyway")
-    first, second = cpu._single_threaded_blas(), cpu._single_threaded_blas()
+    first, second = _machinery.single_threaded_blas(), _machinery.single_threaded_blas()
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)  # (the first call ends while the second runs)

@@ -392,7 +392,7 @@ def test_backward_checkpoints_equal_stored_states(monkeypatch: pytest.MonkeyPatc
     rng = np.random.default_rng(11)
     d_out, d_kv = rng.normal(size=(2, 75, 4)), rng.normal(size=(2, 6, 4))
     stored = cpu.numpy_backward(*inputs, 4, d_out, d_kv)  # 19 chunks, all states kept
-    monkeypatch.setattr(cpu, "STORE_BYTES", 0)  # 5 segments of 4 chunks, recomputed
+    monkeypatch.setattr(cpu.causal, "STORE_BYTES", 0)  # 5 segments of 4 chunks, recomputed
     recomputed = cpu.numpy_backward(*inputs, 4, d_out, d_kv)
     for a, b in zip(stored, recomputed, strict=True):
         np.testing.assert_array_equal(a, b)

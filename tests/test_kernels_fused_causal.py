@@ -1,4 +1,5 @@
-"""The fused causal CPU pass, checked, and its backward (``linattn_numba._fused_causal``)."""
+"""The fused causal CPU pass, checked, and its backward (``linattn_numba.cpu.fused_causal``
+and ``linattn_numba.cpu.fused_causal_backward``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 
 import linattn as la
 
-fc = pytest.importorskip("linattn_numba._fused_causal")
+fc = pytest.importorskip("linattn_numba.cpu.fused_causal")
+fcb = pytest.importorskip("linattn_numba.cpu.fused_causal_backward")
 from linattn_numba import _machinery, cpu  # noqa: E402
 
 #: Row-relative error of outputs and gradients against a float64 reference: float64
@@ -117,7 +119,7 @@ def test_forward_and_backward_equal_unfused_kernels(case: tuple, kind: str, dtyp
     row_close(results[1], expected[1], RTOL[dtype])
     np.testing.assert_allclose(results[3], expected[3], rtol=RTOL[dtype], atol=RTOL[dtype])
     cast = (g.astype(dtype), g_lse.astype(dtype), g_kv.astype(dtype))
-    grads = fc.backward(q, k, v, fm.projection, kv, mu, results[0], cast[0],
+    grads = fcb.backward(q, k, v, fm.projection, kv, mu, results[0], cast[0],
                         grad_log_normaliser=cast[1], grad_kv=cast[2],
                         **options(fm, mask, chunk))  # fmt: skip
     for grad, e in zip(grads, expected_grads, strict=True):
@@ -135,7 +137,7 @@ def test_backward_equals_array_api_vjp(kind: str) -> None:
     kv, mu = np.zeros_like(kv), np.full_like(mu, -np.inf)
     out, *_ = fc.forward(q, k, v, fm.projection, kv, mu, **options(fm, mask, chunk))
     g = np.random.default_rng(2).normal(size=out.shape)
-    grads = fc.backward(q, k, v, fm.projection, kv, mu, out, g, **options(fm, mask, chunk))
+    grads = fcb.backward(q, k, v, fm.projection, kv, mu, out, g, **options(fm, mask, chunk))
     expected = la.linear_attention_vjp(q, k, v, fm, g, causal=True, key_mask=mask,
                                        chunk_size=chunk, backend="array_api")  # fmt: skip
     row_close(out, la.linear_attention(q, k, v, fm, causal=True, key_mask=mask,
@@ -163,7 +165,7 @@ def test_backward_equals_finite_differences() -> None:
         return float((g * out).sum() + (g_lse * lse).sum() + (g_kv * kv_out).sum())
 
     out, _, mu_out, _ = fc.forward(q, k, v, fm.projection, kv, mu, **opts)
-    grads = fc.backward(q, k, v, fm.projection, kv, mu, out, g, grad_log_normaliser=g_lse,
+    grads = fcb.backward(q, k, v, fm.projection, kv, mu, out, g, grad_log_normaliser=g_lse,
                         grad_kv=g_kv, **opts)  # fmt: skip
     eps = 1e-6
     for which, grad in enumerate(grads):
@@ -189,16 +191,16 @@ def test_parallel_and_serial_twins_agree(monkeypatch: pytest.MonkeyPatch) -> Non
 
     def run() -> tuple:
         out, *state = fc.forward(q, k, v, fm.projection, kv, mu, **options(fm, mask, chunk))
-        grads = fc.backward(q, k, v, fm.projection, kv, mu, out, g, **options(fm, mask, chunk))
+        grads = fcb.backward(q, k, v, fm.projection, kv, mu, out, g, **options(fm, mask, chunk))
         return (out, *state, *grads)
 
     monkeypatch.setattr(_machinery, "SERIAL_WORK", 2**62)
     serial = run()
     monkeypatch.setattr(_machinery, "SERIAL_WORK", 0)
     monkeypatch.setattr(_machinery.numba, "get_num_threads", lambda: 2)
-    before = fc._backward.launches["parallel"]
+    before = fcb._backward.launches["parallel"]
     parallel = run()
-    assert fc._backward.launches["parallel"] == before + 1
+    assert fcb._backward.launches["parallel"] == before + 1
     for a, b in zip(serial, parallel, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -210,7 +212,7 @@ def test_chunk_size_changes_rounding_only() -> None:
     results = []
     for chunk in (1, 5, 64, 300):
         out, *_ = fc.forward(q, k, v, fm.projection, kv, mu, **options(fm, mask, chunk))
-        grads = fc.backward(q, k, v, fm.projection, kv, mu, out, g, **options(fm, mask, chunk))
+        grads = fcb.backward(q, k, v, fm.projection, kv, mu, out, g, **options(fm, mask, chunk))
         results.append((out, *grads))
     for other in results[1:]:
         for a, b in zip(other, results[0], strict=True):
@@ -223,9 +225,9 @@ def test_checkpointed_backward_equals_stored_states(monkeypatch: pytest.MonkeyPa
     g = np.random.default_rng(11).normal(size=(1, 2, 130, 8))
     args = (q, k, v, fm.projection, kv, mu)
     out, *_ = fc.forward(*args, **options(fm, mask, 7))
-    stored = fc.backward(*args, out, g, **options(fm, mask, 7))
-    monkeypatch.setattr(fc, "STORE_BYTES", 0)  # sqrt(N) checkpoints, segments recomputed
-    for a, b in zip(fc.backward(*args, out, g, **options(fm, mask, 7)), stored, strict=True):
+    stored = fcb.backward(*args, out, g, **options(fm, mask, 7))
+    monkeypatch.setattr(fcb, "STORE_BYTES", 0)  # sqrt(N) checkpoints, segments recomputed
+    for a, b in zip(fcb.backward(*args, out, g, **options(fm, mask, 7)), stored, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -235,7 +237,7 @@ def test_inputs_are_not_modified() -> None:
     copies = [x.copy() for x in (q, k, v, mask, kv, mu)]
     out, *_ = fc.forward(q, k, v, fm.projection, kv, mu, **options(fm, mask, chunk))
     g = np.ones_like(out)
-    fc.backward(q, k, v, fm.projection, kv, mu, out, g, grad_log_normaliser=g[..., 0],
+    fcb.backward(q, k, v, fm.projection, kv, mu, out, g, grad_log_normaliser=g[..., 0],
                 grad_kv=np.ones_like(kv), **options(fm, mask, chunk))  # fmt: skip
     for x, c in zip((q, k, v, mask, kv, mu), copies, strict=True):
         np.testing.assert_array_equal(x, c)
@@ -247,7 +249,7 @@ def test_no_tokens_pass_the_state_through() -> None:
     out, kv_out, _, lse = fc.forward(q, q, q, w, kv, mu, hyperbolic=False, scale=1.0)
     assert out.shape == (2, 0, 4) and lse.shape == (2, 0)
     np.testing.assert_array_equal(kv_out, kv)
-    grads = fc.backward(q, q, q, w, kv, mu, out, out, hyperbolic=False, scale=1.0, grad_kv=kv)
+    grads = fcb.backward(q, q, q, w, kv, mu, out, out, hyperbolic=False, scale=1.0, grad_kv=kv)
     np.testing.assert_array_equal(grads[3], kv)
 
 
@@ -282,7 +284,7 @@ def test_bad_inputs_raise_before_the_kernel(index: int) -> None:
         fc.forward(**args)
     good = {"outputs": np.zeros((2, 5, 4)), "grad_output": np.zeros((2, 5, 4))}
     with pytest.raises(error, match=message):
-        fc.backward(**args, **good)
+        fcb.backward(**args, **good)
 
 
 def test_backward_checks_its_cotangents() -> None:
@@ -298,7 +300,7 @@ def test_backward_checks_its_cotangents() -> None:
     ]:
         given = {"outputs": out, "grad_output": out, name: bad}
         with pytest.raises((TypeError, ValueError), match=message):
-            fc.backward(q, q, q, w, *state, **given, **opts)
+            fcb.backward(q, q, q, w, *state, **given, **opts)
 
 
 def test_default_chunk_is_the_cpu_forward_chunk() -> None:

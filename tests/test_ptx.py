@@ -14,12 +14,12 @@ import pytest
 if importlib.util.find_spec("numba_cuda") is None:
     pytest.skip("numba-cuda is not installed", allow_module_level=True)
 
-from linattn_numba import _cuda
+from linattn_numba.gpu import target as _cuda
 
 if _cuda.SIMULATOR:
     pytest.skip("PTX is not compiled under NUMBA_ENABLE_CUDASIM=1", allow_module_level=True)
 
-from linattn_numba import _gpu_kernels
+from linattn_numba.gpu import kernels as _gpu_kernels
 
 ARCHITECTURES = [(8, 0), (9, 0)]
 PRECISIONS = ["float32", "float64"]

@@ -14,8 +14,10 @@ from linattn import _dispatch
 from linattn import causal as causal_path
 
 torch = pytest.importorskip("torch")
-fc = pytest.importorskip("linattn_numba._fused_causal")
-from linattn_numba import _machinery, _torch, cpu  # noqa: E402
+fc = pytest.importorskip("linattn_numba.cpu.fused_causal")
+fcb = pytest.importorskip("linattn_numba.cpu.fused_causal_backward")
+from linattn_numba import _machinery  # noqa: E402
+from linattn_numba import torch_ops as _torch  # noqa: E402
 
 # Dynamo traces array_api_compat's lru_cache-wrapped type tests and warns (as in
 # tests/test_torch_ops.py): harmless, their results depend on types only.
@@ -310,9 +312,9 @@ def test_parallel_and_serial_twins_agree(monkeypatch: pytest.MonkeyPatch) -> Non
     serial = run()
     monkeypatch.setattr(_machinery, "SERIAL_WORK", 0)
     monkeypatch.setattr(_machinery.numba, "get_num_threads", lambda: 2)
-    before = (cpu._forward_fused.launches["parallel"], fc._backward.launches["parallel"])
+    before = (fc._forward_fused.launches["parallel"], fcb._backward.launches["parallel"])
     parallel = run()
-    after = (cpu._forward_fused.launches["parallel"], fc._backward.launches["parallel"])
+    after = (fc._forward_fused.launches["parallel"], fcb._backward.launches["parallel"])
     assert after == (before[0] + 1, before[1] + 1)
     for a, b in zip(serial, parallel, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("numba")
 
 import linattn as la  # noqa: E402
-from linattn_numba import _torch as ops  # noqa: E402
+from linattn_numba import torch_ops as ops  # noqa: E402
 
 # Dynamo traces array_api_compat's lru_cache-wrapped type tests (``is_numpy_namespace``
 # and others: pure functions of a type) and warns that it ignores the cache; harmless.
@@ -142,7 +142,7 @@ import linattn as la
 fm = la.FeatureMap(8, 16, seed=0)
 x = np.random.default_rng(0).normal(size=(2, 24, 8))
 la.linear_attention(x, x, x, fm, causal=True, backend="numba")
-lazy = {m: m in sys.modules for m in ("torch", "linattn_numba._torch")}
+lazy = {m: m in sys.modules for m in ("torch", "linattn_numba.torch_ops")}
 import torch
 q, k, v = (torch.randn(2, 24, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
 def f(q, k, v):
@@ -180,7 +180,7 @@ def test_front_door_compiles_cold_in_one_graph() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert (result["graphs"], result["breaks"]) == (1, 0), result["reasons"]
     assert result["grads_equal"]
-    assert result["imported_before_torch"] == {"torch": False, "linattn_numba._torch": False}
+    assert result["imported_before_torch"] == {"torch": False, "linattn_numba.torch_ops": False}
     assert result["cuda_imported"] == []
 
 

@@ -1,4 +1,4 @@
-"""The compiled window kernel (``linattn_numba._window``) against the portable code.
+"""The compiled window kernel (``linattn_numba.cpu.window``) against the portable code.
 
 The reference is ``linattn.hybrid.banded_partial`` itself, run on ``array_api_strict``
 arrays (which no kernel serves), so the kernel is held to the exact contract the
@@ -13,7 +13,7 @@ import pytest
 import linattn as la
 from linattn import _dispatch, hybrid
 
-_window = pytest.importorskip("linattn_numba._window")
+_window = pytest.importorskip("linattn_numba.cpu.window")
 xps = pytest.importorskip("array_api_strict")
 
 SCALE = 0.35

@@ -6,10 +6,10 @@ estimate through the causal pass on keys lagged by the window ``w``.  On NumPy a
 that took three kernels (the fused causal pass, the window kernel, the sinks' products)
 and a merge, each reading and writing ``L``-long arrays.  Here one pass does it all:
 per block of tokens it computes the queries' and the lagged keys' features
-(:func:`linattn_numba.cpu._log_features`), runs each chunk of the far part
-(:func:`linattn_numba.cpu._chunk_forward`, which leaves the rows ``[num | den]`` and
+(:func:`linattn_numba.cpu.features.log_features`), runs each chunk of the far part
+(:func:`linattn_numba.cpu.chunks.chunk_forward`, which leaves the rows ``[num | den]`` and
 their log-scale), then, per query, the exact logits of its window and of the sinks it
-sees (invisible keys *skipped*, as in :mod:`linattn_numba._window`; windows of
+sees (invisible keys *skipped*, as in :mod:`linattn_numba.cpu.window`; windows of
 :data:`BLOCKED_SPAN` keys or more as two products per chunk, the chunk's logits against its
 band of keys and the selected weights times the band's values, invisible keys' values
 zeroed first), and merges the two
@@ -36,11 +36,11 @@ Two states, each built only by adding keys: the window is never subtracted.
 Examples
 --------
 >>> import numpy as np
->>> from linattn_numba import _hybrid
+>>> from linattn_numba.cpu import hybrid
 >>> q = np.zeros((1, 2, 2)); k = np.zeros((1, 2, 2)); keep = np.array([[False, True, True]])
 >>> v = np.array([[[1.0], [3.0]]]); recent = np.zeros((1, 1, 2)), np.zeros((1, 1, 1))
 >>> sinks = np.zeros((1, 0, 2)), np.zeros((1, 0, 1)), np.zeros((1, 2, 0), bool)
->>> out, kv, mu = _hybrid.causal_forward(q, k, v, keep, *recent, 1, 1.0, *sinks,
+>>> out, kv, mu = hybrid.causal_forward(q, k, v, keep, *recent, 1, 1.0, *sinks,
 ...     np.eye(2), hyperbolic=False, kv=np.zeros((1, 2, 2)), log_shift=np.full((1, 2), -np.inf),
 ...     chunk_size=64)
 >>> out[0]  # query 1 averages its window key (3) and its far key (1), equal weights
@@ -56,219 +56,20 @@ from typing import Any
 import numpy as np
 from numba import prange
 
-from linattn_numba import _contract, _machinery, cpu
-from linattn_numba._window import _shift
+from linattn_numba import _contract, _machinery
+from linattn_numba.cpu.arrays import DTYPES, chunk_length, without_empty_rows
+from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
+from linattn_numba.cpu.exact import exact_chunk, exact_rows, in_band, merge_into
+from linattn_numba.cpu.features import FEATURE_BLOCK, log_features
 
-__all__ = ["bidirectional_forward", "causal_forward"]
+__all__ = ["BLOCKED_SPAN", "bidirectional_forward", "causal_forward"]
 
 _jit = _machinery.jit
+
 
 #: Windows of at least this many keys run as two products per chunk (logits against the
 #: chunk's band of keys, weights times its values); smaller ones as direct loops.
 BLOCKED_SPAN = 16
-
-
-@_jit(fastmath=frozenset({"contract", "reassoc"}))
-def _dot_rows(a, i, b, j, zero):
-    """``a[i] . b[j]`` summed in any order (rows by index: no views in the hot loop)."""
-    acc = zero
-    for r in range(a.shape[1]):
-        acc += a[i, r] * b[j, r]
-    return acc
-
-
-@_jit()
-def _in_band(keep, first, length, j):
-    """Whether key ``j`` (call coordinates; ``j < 0`` is cache row ``first + j``) takes
-    part: it exists and ``keep[first + j]``."""
-    return j >= -first and j < length and keep[first + j]
-
-
-@_jit()
-def _exact_rows(
-    q, k, v, recent, recent_values, keep, sinks, sink_values, visible, i, back, ahead, consts,
-    scratch, row,
-):  # fmt: skip
-    """Query ``i``'s exact partial: ``row = [sum p v | sum p]`` over its window, the keys
-    ``j = i - back .. i + ahead`` that take part (:func:`_in_band`; ``j < 0`` are the
-    cache's), and the sinks it sees, ``p = exp(logit - c)``; returns ``c``, the largest
-    visible logit (``-inf`` where it sees none, NaN if one is NaN).  Invisible keys are
-    skipped: nothing they hold reaches the row."""
-    dv = v.shape[1]
-    first, length = recent.shape[0], k.shape[0]
-    zero, scale = consts[0], consts[2]
-    count = sinks.shape[0]
-    span = back + ahead + 1
-    top = consts[1]
-    for o in range(span):
-        j = i - back + o
-        logit = consts[1]
-        if _in_band(keep, first, length, j):
-            if j < 0:
-                logit = _dot_rows(q, i, recent, first + j, zero) * scale
-            else:
-                logit = _dot_rows(q, i, k, j, zero) * scale
-            if logit > top or logit != logit:  # (once NaN, nothing is greater)
-                top = logit
-        scratch[o] = logit
-    for j in range(count):
-        logit = consts[1]
-        if visible[i, j]:
-            logit = _dot_rows(q, i, sinks, j, zero) * scale
-            if logit > top or logit != logit:
-                top = logit
-        scratch[span + j] = logit
-    shift = _shift(top, zero)
-    for o in range(span + count):  # (one loop of exponentials: it vectorises; exp(-inf) = 0)
-        scratch[o] = cpu.fast_exp(scratch[o] - shift)
-    for e in range(dv + 1):
-        row[e] = zero
-    for o in range(span):
-        j = i - back + o
-        if _in_band(keep, first, length, j):
-            if j < 0:
-                _add_row(row, scratch[o], recent_values, first + j)
-            else:
-                _add_row(row, scratch[o], v, j)
-    for j in range(count):
-        if visible[i, j]:
-            _add_row(row, scratch[span + j], sink_values, j)
-    return top
-
-
-@_jit()
-def _add_row(row, p, values, j):
-    """``row += p [values[j] | 1]``."""
-    dv = values.shape[1]
-    for e in range(dv):
-        row[e] += p * values[j, e]
-    row[dv] += p
-
-
-@_jit()
-def _segment_max(x, i, j0, j1, low):
-    """``max x[i, j0:j1]`` (``-inf`` if empty; NaN passed over), in four running maxima."""
-    a0 = a1 = a2 = a3 = low
-    j = j0
-    while j + 4 <= j1:
-        a0 = cpu._larger(x[i, j], a0)
-        a1 = cpu._larger(x[i, j + 1], a1)
-        a2 = cpu._larger(x[i, j + 2], a2)
-        a3 = cpu._larger(x[i, j + 3], a3)
-        j += 4
-    while j < j1:
-        a0 = cpu._larger(x[i, j], a0)
-        j += 1
-    return cpu._larger(cpu._larger(a0, a1), cpu._larger(a2, a3))
-
-
-@_jit(fastmath=frozenset({"contract", "reassoc"}))
-def _exp_segment(logits, scale, shift, zero, weights):
-    """``weights = exp(scale logits - shift)`` for two rows of equal length (slices of
-    the blocks: 2-D indexing from a varying start ran half as fast, measured); returns
-    their sum (in any order)."""
-    total = zero
-    for j in range(logits.shape[0]):
-        p = cpu.fast_exp(logits[j] * scale - shift)
-        weights[j] = p
-        total += p
-    return total
-
-
-@_jit()
-def _exact_chunk(
-    q, k, v, keep, first, sinks, sink_values, visible, t0, t1, back, ahead, consts,
-    logit_buffer, weight_buffer, sink_weights, band_values, tops, rows, sums,
-):  # fmt: skip
-    """:func:`_exact_rows` for queries ``t0 .. t1 - 1`` whose windows lie in the call's keys
-    (``t0 >= back``, ``t1 + ahead <= T``), as two products: the chunk's logits against its
-    band of keys ``k[t0 - back .. t1 - 1 + ahead]``, and the weights (zero outside each
-    query's window and for invisible keys) times the band's values, taken in place where
-    every key of the band takes part, else copied with invisible keys' values zeroed (so
-    that nothing they hold reaches a row).
-
-    A NaN logit is passed over by the row's maximum (it reaches the row through its
-    weight all the same)."""
-    c, dv, count = t1 - t0, v.shape[1], sinks.shape[0]
-    zero, scale = consts[0], consts[2]
-    lo = t0 - back  # k row of band column 0
-    span = back + ahead + 1
-    width = c + span - 1
-    logits = logit_buffer[: c * width].reshape((c, width))
-    weights = weight_buffer[: c * width].reshape((c, width))
-    np.dot(q[t0:t1], k[lo : lo + width].T, logits)
-    every = True
-    for j in range(width):
-        every = every and keep[first + lo + j]
-    values = v[lo : lo + width]
-    if not every:
-        values = band_values[:width]
-        for j in range(width):
-            if keep[first + lo + j]:
-                for e in range(dv):
-                    values[j, e] = v[lo + j, e]
-            else:
-                for e in range(dv):
-                    values[j, e] = zero
-    for i in range(c):  # query t0 + i sees band columns i .. i + span - 1
-        if not every:
-            for j in range(i, i + span):
-                if not keep[first + lo + j]:
-                    logits[i, j] = consts[1]
-        top = _segment_max(logits, i, i, i + span, consts[1]) * scale
-        for j in range(count):
-            logit = consts[1]
-            if visible[t0 + i, j]:
-                logit = _dot_rows(q, t0 + i, sinks, j, zero) * scale
-                top = cpu._larger(logit, top)
-            sink_weights[i, j] = logit
-        tops[i] = top
-        shift = _shift(top, zero)
-        for j in range(i):
-            weights[i, j] = zero
-        sums[i] = _exp_segment(
-            logits[i, i : i + span], scale, shift, zero, weights[i, i : i + span]
-        )
-        for j in range(i + span, width):
-            weights[i, j] = zero
-        for j in range(count):
-            sink_weights[i, j] = cpu.fast_exp(sink_weights[i, j] - shift)
-    np.dot(weights, values, rows[:c])
-    for i in range(c):
-        for j in range(count):
-            if visible[t0 + i, j]:
-                p = sink_weights[i, j]
-                for e in range(dv):
-                    rows[i, e] += p * sink_values[j, e]
-                sums[i] += p
-
-
-@_jit()
-def _merge_into(far, i, far_scale, later, s, later_scale, numerators, r, den, top, zero, out, t):
-    """``out[t] = P[:d_v] / P[d_v]`` for ``P = a far[i] + b later[s] + c [numerators[r] |
-    den]``: the forward far keys, the reverse far keys (bidirectional; a zero row
-    otherwise) and the exact keys, ``a, b, c`` their scales against the largest (online
-    softmax); ``0`` where nothing is seen."""
-    dv = out.shape[1]
-    if far[i, dv] == 0:
-        far_scale = cpu.typed(-np.inf, zero)  # a row that saw no far key holds nothing
-    if later[s, dv] == 0:
-        later_scale = cpu.typed(-np.inf, zero)
-    both = top
-    if later_scale > both or later_scale != later_scale:  # (a NaN scale stays)
-        both = later_scale
-    if far_scale > both or far_scale != far_scale:
-        both = far_scale
-    both = _shift(both, zero)
-    a = cpu.fast_exp(far_scale - both)
-    b = cpu.fast_exp(later_scale - both)
-    c = cpu.fast_exp(top - both)
-    total = a * far[i, dv] + b * later[s, dv] + c * den
-    if total == 0:
-        total = cpu.typed(1, zero)
-    a, b, c = a / total, b / total, c / total
-    for e in range(dv):
-        out[t, e] = a * far[i, e] + b * later[s, e] + c * numerators[r, e]
 
 
 @_jit()
@@ -278,7 +79,7 @@ def _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, prese
     Scan row ``s`` is query ``t = s`` (forward) or ``t = T - 1 - s`` (reverse: its row
     is copied into ``qx``); its far key is ``j = t - lag`` (forward; ``j < 0`` are the
     cache's) or ``j = t + lag`` (reverse), copied into ``kx`` with ``va = [v_j | 1]``,
-    where it takes part (:func:`_in_band`); elsewhere both are zero and ``present`` is
+    where it takes part (:func:`in_band`); elsewhere both are zero and ``present`` is
     false (nothing such a key holds, NaN included, reaches the scan).
     """
     first, length, d, dv = rb.shape[0], kb.shape[0], kb.shape[1], vb.shape[1]
@@ -291,7 +92,7 @@ def _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, prese
         else:
             t = s0 + i
             j = t - lag
-        present[i] = _in_band(keepb, first, length, j)
+        present[i] = in_band(keepb, first, length, j)
         if not present[i]:
             for r in range(d):
                 kx[i, r] = 0
@@ -321,11 +122,11 @@ def _forward(
     m = kv.shape[1]
     rows = projection.shape[0]
     dtype = q.dtype
-    block_rows = chunk * max(1, cpu.FEATURE_BLOCK // chunk)
+    block_rows = chunk * max(1, FEATURE_BLOCK // chunk)
     span = back + ahead + 1
     first = recent.shape[1]
     for b in prange(batch):
-        work, square, vecs, state_out, product = cpu._workspace(chunk, m, dv + 1, dtype)
+        work, square, vecs, state_out, product = chunk_workspace(chunk, m, dv + 1, dtype)
         proj = np.empty((block_rows if hyperbolic else 0, rows), dtype)
         lq = np.empty((block_rows, m), dtype)
         lk = np.empty((block_rows, m), dtype)
@@ -359,8 +160,8 @@ def _forward(
                 n = s1 - s0
                 _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, present)
                 queries = qx[:n] if reverse else qb[s0:s1]
-                cpu._log_features(queries, projection, consts, hyperbolic, proj[:n], lq[:n])
-                cpu._log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
+                log_features(queries, projection, consts, hyperbolic, proj[:n], lq[:n])
+                log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
                 for i in range(n):
                     if not present[i]:
                         for r in range(m):
@@ -370,37 +171,37 @@ def _forward(
                     c = t1 - t0
                     g0 = s0 + t0
                     if reverse:  # scan row s (query T - 1 - s) kept for the forward scan
-                        cpu._chunk_forward(
+                        chunk_forward(
                             lq[t0:t1], lk[t0:t1], va[t0:t1], state, state_mu,
                             later[g0 : g0 + c], work, square, vecs, state_out, product,
                             later_scale[g0 : g0 + c],
                         )  # fmt: skip
                         continue
-                    cpu._chunk_forward(
+                    chunk_forward(
                         lq[t0:t1], lk[t0:t1], va[t0:t1], state, state_mu, far[:c], work,
                         square, vecs, state_out, product, far_scale[:c],
                     )  # fmt: skip
                     if width and g0 >= back and g0 + c + ahead <= length:
-                        _exact_chunk(
+                        exact_chunk(
                             qb, kb, vb, keepb, first, sb, svb, visb, g0, g0 + c, back, ahead,
                             window_consts, logits, weights, sink_weights, band_values, tops,
                             exact, sums,
                         )  # fmt: skip
                         for i in range(c):
                             s = length - 1 - g0 - i if bidirectional else 0
-                            _merge_into(
+                            merge_into(
                                 far, i, far_scale[i], later, s, later_scale[s], exact, i,
                                 sums[i], tops[i], window_consts[0], outb, g0 + i,
                             )  # fmt: skip
                         continue
                     for i in range(c):
                         t = g0 + i
-                        top = _exact_rows(
+                        top = exact_rows(
                             qb, kb, vb, rb, rvb, keepb, sb, svb, visb, t, back, ahead,
                             window_consts, scratch, row[0],
                         )  # fmt: skip
                         s = length - 1 - t if bidirectional else 0
-                        _merge_into(
+                        merge_into(
                             far, i, far_scale[i], later, s, later_scale[s], row, 0,
                             row[0, dv], top, window_consts[0], outb, t,
                         )  # fmt: skip
@@ -413,7 +214,7 @@ def _check(named: dict[str, Any]) -> np.dtype:
                 f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
             )
     dtype = named["q"].dtype
-    if dtype not in cpu.DTYPES:
+    if dtype not in DTYPES:
         raise TypeError(f"q must have dtype float32 or float64; got {dtype}")
     for name, x in named.items():
         wanted = np.dtype(np.bool_) if name in ("keep", "visible") else dtype
@@ -476,12 +277,12 @@ def _launch(
     window_consts = np.array([0.0, -np.inf, scale], dtype=dtype)
     scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
     out = np.empty((n, length, dv), dtype)
-    chunk = cpu._chunk(_contract.check_chunk_size(chunk_size), length)
+    chunk = chunk_length(_contract.check_chunk_size(chunk_size), length)
     span = back + ahead + 1
     work = m * (dv + 1) * (2 if later is not None else 1) + span * (d + dv)
     if later is None:
         later = np.empty((n, 0, dv + 1), dtype), np.empty((n, 0), dtype)
-    with cpu._single_threaded_blas():
+    with _machinery.single_threaded_blas():
         _forward.run(
             _machinery.choose_variant(n, length, work),
             flat("q", 2), flat("k", 2), flat("v", 2), flat("keep", 1), flat("recent", 2),
@@ -579,7 +380,7 @@ def causal_forward(
     _validated(named, expected, scale, f"q {q.shape}, span {span} and values (..., {dv})")
     n = math.prod(batch)
     mu = np.array(log_shift, dtype=dtype).reshape((n, m))
-    state = cpu._without_empty_rows(np.array(kv, dtype=dtype).reshape((n, m, dv + 1)), mu)
+    state = without_empty_rows(np.array(kv, dtype=dtype).reshape((n, m, dv + 1)), mu)
     out = _launch(
         named, projection, scale, hyperbolic, state, mu, None, chunk_size, span,
         span - 1, 0,

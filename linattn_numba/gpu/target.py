@@ -16,8 +16,8 @@ and otherwise to the array-API path.
 
 Examples
 --------
->>> from linattn_numba import _cuda
->>> isinstance(_cuda.status(), str)
+>>> from linattn_numba.gpu import target
+>>> isinstance(target.status(), str)
 True
 """
 
@@ -166,7 +166,7 @@ def describe(found: dict[str, tuple[str | None, str]]) -> str:
 
     Examples
     --------
-    >>> from linattn_numba._cuda import describe
+    >>> from linattn_numba.gpu.target import describe
     >>> describe({"numba-cuda": (None, "not installed")})[:30]
     'numba-cuda is not installed; p'
     >>> ok = ("/lib/x.so", "found")
@@ -205,7 +205,7 @@ def status() -> str:
 
     Examples
     --------
-    >>> from linattn_numba._cuda import status
+    >>> from linattn_numba.gpu.target import status
     >>> s = status()
     >>> s == "available" or "numba-cuda" in s or "cannot compile" in s
     True

@@ -25,10 +25,10 @@ between numerator and denominator): for each visible pair ``p = exp(s q.k - c)``
 Examples
 --------
 >>> import numpy as np
->>> from linattn_numba import _window
+>>> from linattn_numba.cpu import window
 >>> q = np.zeros((1, 2, 2)); keys = np.zeros((1, 3, 2))
 >>> values = np.array([[[9.0], [1.0], [3.0]]]); keep = np.array([[True, True, False]])
->>> rows, c = _window.banded_partial(q, keys, values, keep, 1, 1.0)
+>>> rows, c = window.banded_partial(q, keys, values, keep, 1, 1.0)
 >>> rows[0]  # query 0 sees key 1; query 1 would see key 2, which is not kept
 array([[1., 1.],
        [0., 0.]])
@@ -45,16 +45,16 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _machinery
-from linattn_numba.cpu import fast_exp
+from linattn_numba.cpu.scalars import fast_exp, finite_shift
 
-__all__ = ["banded_partial", "banded_partial_backward"]
+__all__ = ["DTYPES", "banded_partial", "banded_partial_backward"]
+
+_jit = _machinery.jit
+
 
 DTYPES = ("float32", "float64")
 
 
-# The dot products may be summed in any order (so that they vectorise); nothing here
-# assumes finite values.
-_jit = _machinery.jit
 _REASSOC = frozenset({"contract", "reassoc"})
 
 
@@ -82,19 +82,13 @@ def _row_logits(q, k, keep, i, span, consts, logits):
 
 
 @_jit()
-def _shift(top, zero):
-    """The exponent shift: the row's maximum where finite, else 0 (``safe_shift``)."""
-    return top if np.isfinite(top) else zero
-
-
-@_jit()
 def _direct_rows(q, k, v, keep, span, consts, rows, tops, i0, i1, logits):
     """Queries ``i0 .. i1 - 1`` one by one, invisible keys skipped."""
     dv = v.shape[1]
     for i in range(i0, i1):
         top = _row_logits(q, k, keep, i, span, consts, logits)
         tops[i] = top
-        shift = _shift(top, consts[0])
+        shift = finite_shift(top, consts[0])
         for e in range(dv + 1):
             rows[i, e] = consts[0]
         for o in range(span):
@@ -123,7 +117,7 @@ def _head_backward(q, k, v, keep, span, consts, tops, g, dq, dk, dv_out):
     length, d, dv = q.shape[0], q.shape[1], v.shape[1]
     scale = consts[2]
     for i in range(length):
-        shift = _shift(tops[i], consts[0])
+        shift = finite_shift(tops[i], consts[0])
         for o in range(span):
             j = i + 1 + o
             if keep[j]:
@@ -143,9 +137,6 @@ def _backward(q, k, v, keep, span, consts, tops, g, dq, dk, dv_out):
         _head_backward(
             q[b], k[b], v[b], keep[b], span, consts, tops[b], g[b], dq[b], dk[b], dv_out[b]
         )
-
-
-# -- checks and entry points (before any compiled code touches memory) -----------------
 
 
 def _shape(x: Any) -> tuple[int, ...]:

@@ -1,24 +1,22 @@
-"""The fused causal FAVOR+ pass, checked, and its backward: no ``L x m`` array either way.
+"""The backward of the fused causal FAVOR+ pass: no ``L x m`` array either.
 
-The forward is :func:`linattn_numba.cpu.favor_causal`'s kernel (``_forward_fused``);
-:func:`forward` runs it after checking every argument (what the torch operators of
-:mod:`linattn_numba._torch` need: they are callable by anyone), and always returns the
-log-normaliser.  :func:`backward` gives the gradients of the normalised outputs, the
-log-normaliser and the final state with respect to ``q``, ``k``, ``v`` and the incoming
-state, every stabiliser held constant (exact: the module docstring of
-:mod:`linattn_numba.cpu`).  It is ``numpy_backward``'s algorithm (``_head_backward``:
-states checkpointed per segment and recomputed forward, never rebuilt by subtraction,
-then a reverse scan of ``dS``) with the features recomputed chunk by chunk from ``q``
-and ``k``:
+The forward is :mod:`linattn_numba.cpu.fused_causal` (its ``forward`` checks every
+argument and always returns the log-normaliser).  :func:`backward` gives the gradients of
+the normalised outputs, the log-normaliser and the final state with respect to ``q``,
+``k``, ``v`` and the incoming state, every stabiliser held constant (exact: the module
+docstring of :mod:`linattn_numba.cpu.causal`).  It is ``numpy_backward``'s algorithm
+(its ``_head_backward``: states checkpointed per segment and recomputed forward, never
+rebuilt by subtraction, then a reverse scan of ``dS``) with the features recomputed chunk
+by chunk from ``q`` and ``k``:
 
 * per chunk, the forward's factors ``u``, ``psi``, ``phi`` and weights
-  (``cpu._chunk_backward_factors``); from them the stabilised denominators ``D_t`` the
+  (``chunk_backward_factors``); from them the stabilised denominators ``D_t`` the
   forward divided by, and the cotangent of the unnormalised rows
   ``A_t = [g_t / D_t, (g^lse_t - g_t . o_t) / D_t]`` (0 where ``D_t = 0``: a row that sees
   no key);
 * the chunk's log-feature gradients ``d l(q)``, ``d l(k)``, ``d [v | 1]`` and ``dS``
-  before it (``cpu._chunk_backward_grads``);
-* through the feature map (``_bidirectional._features_vjp``):
+  before it (``chunk_backward_grads``);
+* through the feature map (``features_vjp``):
   ``dx = (d_+ - d_-) P - s x sum_r d_r`` with ``P`` the projection times ``sqrt(s)``.
 
 Masked keys get zero gradients; the incoming state's gradient is that of the state
@@ -28,35 +26,27 @@ Masked keys get zero gradients; the incoming state's gradient is that of the sta
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numba
 import numpy as np
 from numba import prange
 
-from linattn_numba import _contract, _machinery
-from linattn_numba._bidirectional import _Call, _features_vjp, _key_block
-from linattn_numba.cpu import (
-    STORE_BYTES,
-    _absorb,
-    _backward_workspace,
-    _chunk,
-    _chunk_backward_factors,
-    _chunk_backward_grads,
-    _forward_fused,
-    _fresh,
-    _log_features,
-    _running_max,
-    _safe_shift,
-    _without_empty_rows,
+from linattn_numba import _machinery
+from linattn_numba.cpu.arrays import STORE_BYTES, without_empty_rows
+from linattn_numba.cpu.calls import CausalFusedCall
+from linattn_numba.cpu.chunks import (
+    absorb,
+    backward_workspace,
+    chunk_backward_factors,
+    chunk_backward_grads,
+    running_max,
 )
+from linattn_numba.cpu.features import features_vjp, key_block, log_features
+from linattn_numba.cpu.scalars import safe_shift
 
-__all__ = ["backward", "forward"]
+__all__ = ["backward"]
 
 _jit = _machinery.jit
-
-
-# -- kernels ------------------------------------------------------------------------------
 
 
 @_jit()
@@ -112,15 +102,15 @@ def _chunk_grads(
     lq, lk, dlq, dlk = feats[0][:c], feats[1][:c], feats[2][:c], feats[3][:c]
     va, dout, dva = blocks[0][:c], blocks[1][:c], blocks[2][:c]
     top = vecs[6][:m]  # (unused by the chunk's factors)
-    _key_block(k, v, mask, projection, consts, hyperbolic, proj[:c], lk, va)
-    _log_features(q, projection, consts, hyperbolic, proj[:c], lq)
-    _running_max(lk, mu, top)  # mu after the chunk
-    _chunk_backward_factors(lq, lk, mu, top, rows, vecs, square)
+    key_block(k, v, mask, projection, consts, hyperbolic, proj[:c], lk, va)
+    log_features(q, projection, consts, hyperbolic, proj[:c], lq)
+    running_max(lk, mu, top)  # mu after the chunk
+    chunk_backward_factors(lq, lk, mu, top, rows, vecs, square)
     intra = square[1][: c * c].reshape(c, c)
     _row_cotangents(rows[0][:c], kv, vecs[5][:c], intra, va, out, grad, grad_lse, dout)
-    _chunk_backward_grads(va, dout, kv, ds, dlq, dlk, dva, rows, vecs, square, scaled, product)
-    _features_vjp(q, dlq, projection, consts, hyperbolic, proj[:c], dq)
-    _features_vjp(k, dlk, projection, consts, hyperbolic, proj[:c], dk)
+    chunk_backward_grads(va, dout, kv, ds, dlq, dlk, dva, rows, vecs, square, scaled, product)
+    features_vjp(q, dlq, projection, consts, hyperbolic, proj[:c], dq)
+    features_vjp(k, dlk, projection, consts, hyperbolic, proj[:c], dk)
     width = dv.shape[1]
     for j in range(c):
         if mask[j]:
@@ -143,9 +133,9 @@ def _absorb_chunk(k, v, mask, projection, consts, hyperbolic, kv, mu, work, fwor
     lk, va = feats[1][:c], blocks[0][:c]
     ms, shift, decay, top = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[6][:m]
     phi = rows[4]
-    _key_block(k, v, mask, projection, consts, hyperbolic, proj[:c], lk, va)
-    _safe_shift(mu, ms)
-    _absorb(lk, va, kv, mu, ms, phi[:c], top, shift, decay, product, phi, ms, False)
+    key_block(k, v, mask, projection, consts, hyperbolic, proj[:c], lk, va)
+    safe_shift(mu, ms)
+    absorb(lk, va, kv, mu, ms, phi[:c], top, shift, decay, product, phi, ms, False)
 
 
 @_jit()
@@ -153,7 +143,7 @@ def _head_backward(
     q, k, v, mask, projection, consts, hyperbolic, kv0, mu0, chunk, out, grad, grad_lse,
     dkv_out, dq, dk, dv, dkv, seg_kv, seg_mu, check_kv, check_mu, work, fwork,
 ):  # fmt: skip
-    """One head: ``cpu._head_backward`` with features recomputed per chunk."""
+    """One head: ``_head_backward`` with features recomputed per chunk."""
     length = q.shape[0]
     n_chunks = (length + chunk - 1) // chunk
     per_segment = seg_kv.shape[0]
@@ -208,7 +198,7 @@ def _backward(
     m, width = kv.shape[1], kv.shape[2]
     workers = seg_kv.shape[0]
     for t in prange(workers):
-        work = _backward_workspace(chunk, m, width, q.dtype)
+        work = backward_workspace(chunk, m, width, q.dtype)
         fwork = _features_workspace(chunk, m, projection.shape[0], hyperbolic, width, q.dtype)
         for b in range(t, batch, workers):
             _head_backward(
@@ -216,125 +206,6 @@ def _backward(
                 out[b], grad[b], grad_lse[b], dkv_out[b], dq[b], dk[b], dv[b], dkv[b],
                 seg_kv[t], seg_mu[t], check_kv[t], check_mu[t], work, fwork,
             )  # fmt: skip
-
-
-# -- checks and entry points --------------------------------------------------------------
-
-
-class _CausalCall(_Call):
-    """:class:`linattn_numba._bidirectional._Call` for the causal pass: queries and keys of
-    one length, and the incoming state ``(kv, log_shift)`` (fresh flat copies)."""
-
-    def __init__(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        projection: Any,
-        hyperbolic: object,
-        scale: object,
-        key_mask: Any,
-        kv: Any,
-        log_shift: Any,
-        chunk_size: object,
-    ) -> None:
-        super().__init__(q, k, v, projection, hyperbolic, scale, key_mask)
-        if k.shape[-2] != q.shape[-2]:
-            raise ValueError(
-                f"k must have shape (..., {q.shape[-2]}, d) like q (causal attention); "
-                f"got {k.shape}"
-            )
-        self.chunk = _chunk(_contract.check_chunk_size(chunk_size), self.length)
-        m, width = self.m, self.dv + 1
-        for name, x, tail in (("kv", kv, (m, width)), ("log_shift", log_shift, (m,))):
-            if not isinstance(x, np.ndarray):
-                raise TypeError(
-                    f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
-                )
-            if not np.issubdtype(x.dtype, np.floating):
-                raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
-            lead = x.shape[: x.ndim - len(tail)]
-            fits = x.ndim >= len(tail) and x.shape[x.ndim - len(tail) :] == tail
-            if not (fits and _broadcasts(lead, self.batch)):
-                raise ValueError(
-                    f"{name} must have shape (*batch, {', '.join(map(str, tail))}) with batch "
-                    f"axes that broadcast to {self.batch}; got {x.shape}"
-                )
-        self.mu = _fresh(np.broadcast_to(log_shift, (*self.batch, m)), (self.n, m), self.dtype)
-        state = np.broadcast_to(kv, (*self.batch, m, width))
-        self.kv = _without_empty_rows(_fresh(state, (self.n, m, width), self.dtype), self.mu)
-        self.variant = _machinery.choose_variant(self.n, self.length, m * width)
-
-    def shaped_results(self, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-        return tuple(x.reshape((*self.batch, *x.shape[1:])) for x in arrays)
-
-
-def _broadcasts(shape: tuple[int, ...], batch: tuple[int, ...]) -> bool:
-    try:
-        return np.broadcast_shapes(shape, batch) == tuple(batch)
-    except ValueError:
-        return False
-
-
-def forward(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    projection: np.ndarray,
-    kv: np.ndarray,
-    log_shift: np.ndarray,
-    *,
-    hyperbolic: bool,
-    scale: float,
-    key_mask: np.ndarray | None = None,
-    chunk_size: int = 64,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Causal FAVOR+ in one pass, every argument checked: ``(outputs, kv, log_shift,
-    log_normaliser)``.
-
-    :func:`linattn_numba.cpu.favor_causal` with ``return_log_normaliser=True`` (the same
-    kernel, the same results), after checks that name the argument at fault.
-
-    Parameters
-    ----------
-    q, k : ndarrays, shape ``(*batch, L, d)``
-    v : ndarray, shape ``(*batch, L, d_v)``
-        Batch axes broadcast; cast to the compute dtype (float64 stays, else float32).
-    projection : ndarray, shape ``(rows, d)``
-        The feature map's projection (``m = rows``, or ``2 rows`` for ``hyperbolic``).
-    kv, log_shift : ndarrays, shapes ``(*batch, m, d_v + 1)`` and ``(*batch, m)``
-        The incoming state (zeros and ``-inf`` for none).
-    hyperbolic : bool
-        The ``"hyperbolic"`` kind rather than ``"positive"``.
-    scale : float
-        The softmax scale.
-    key_mask : bool ndarray, shape ``(*batch, L)``, optional
-        True for keys that take part.
-    chunk_size : int, default 64
-
-    Returns
-    -------
-    (outputs, kv, log_shift, log_normaliser)
-        Normalised outputs ``(*batch, L, d_v)``, the state after the keys and each
-        output's log-denominator ``(*batch, L)`` (``-inf`` where it sees no key).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> x = np.zeros((1, 3, 2)); v = np.arange(6.0).reshape(1, 3, 2)
-    >>> state = np.zeros((1, 2, 3)), np.full((1, 2), -np.inf)
-    >>> out, kv, mu, lse = forward(x, x, v, np.eye(2), *state, hyperbolic=False, scale=1.0)
-    >>> out[0, :, 0], np.exp(lse[0])  # a running mean; t + 1 keys of weight 1
-    (array([0., 1., 2.]), array([1., 2., 3.]))
-    """
-    call = _CausalCall(q, k, v, projection, hyperbolic, scale, key_mask, kv, log_shift, chunk_size)
-    state, mu = call.kv, call.mu
-    out = np.empty((call.n, call.length, call.dv), call.dtype)
-    lse = np.empty((call.n, call.length), call.dtype)
-    with _machinery.single_threaded_blas():
-        _forward_fused.run(call.variant, *call.operands(), state, mu, call.chunk, out, lse)
-    results = call.shaped_results(out, state, mu, lse)
-    return results[0], results[1], results[2], results[3]
 
 
 def backward(
@@ -379,7 +250,9 @@ def backward(
     >>> bool(abs((g * (out2 - out)).sum() / 1e-6 - dq[0, 3, 1]) < 1e-5)
     True
     """
-    call = _CausalCall(q, k, v, projection, hyperbolic, scale, key_mask, kv, log_shift, chunk_size)
+    call = CausalFusedCall(
+        q, k, v, projection, hyperbolic, scale, key_mask, kv, log_shift, chunk_size
+    )
     m, width = call.m, call.dv + 1
     out = call.check("outputs", outputs, (call.length, call.dv))
     grad = call.check("grad_output", grad_output, (call.length, call.dv))
@@ -408,6 +281,6 @@ def backward(
                 call.variant, *call.operands(), call.kv, call.mu, call.chunk, out, grad,
                 grad_lse, dkv_out, dq, dk, dv, dkv, seg_kv, seg_mu, check_kv, check_mu,
             )  # fmt: skip
-    dkv = _without_empty_rows(dkv, call.mu)
+    dkv = without_empty_rows(dkv, call.mu)
     results = call.shaped_results(dq, dk, dv, dkv)
     return results[0], results[1], results[2], results[3]

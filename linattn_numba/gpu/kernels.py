@@ -37,7 +37,7 @@ thread per state entry), at the price of keeping the state before every chunk,
     each output row's log-scale ``F_t + Gmax_t``: the true ``[numerator |
     denominator]`` is ``exp(F_t + Gmax_t)`` times the row (a stabiliser, on request);
 ``chunk_features``, ``causal_select``, ``combine_readout``
-    the elementwise parts of the vendor-BLAS design (:mod:`linattn_numba._gpu_blas`):
+    the elementwise parts of the vendor-BLAS design (:mod:`linattn_numba.gpu.blas`):
     the features of every chunk written once, zero-padded to whole chunks,
     ``(B, N, C, m)``; the causal weights ``e[t, j] = exp(G_j - Gmax_t)`` applied
     to, and keys ``j > t`` selected out of, the scores ``u psi^T``; and the
@@ -49,8 +49,8 @@ forward from the initial state, never by subtraction.
 
 Examples
 --------
->>> from linattn_numba import _gpu_kernels
->>> sorted(_gpu_kernels.signatures("float32"))[:2]
+>>> from linattn_numba.gpu import kernels
+>>> sorted(kernels.signatures("float32"))[:2]
 ['backward_intra_keys', 'backward_intra_queries']
 """
 
@@ -63,7 +63,7 @@ from typing import Any
 
 import numba
 
-from linattn_numba import _cuda
+from linattn_numba.gpu import target
 
 __all__ = [
     "BLAS_KERNEL_NAMES",
@@ -77,8 +77,8 @@ __all__ = [
     "signatures",
 ]
 
-cuda = _cuda.cuda
-TILE = _cuda.TILE
+cuda = target.cuda
+TILE = target.TILE
 
 # Which per-(token, feature) factor a kernel needs, computed on the fly from the
 # log-features and the stabilisers of the token's chunk n.
@@ -104,7 +104,7 @@ KERNEL_NAMES = (
     "combine_readout",
 )
 BLAS_KERNEL_NAMES = KERNEL_NAMES[-3:]
-"""The elementwise kernels of the vendor-BLAS design (:mod:`linattn_numba._gpu_blas`)."""
+"""The elementwise kernels of the vendor-BLAS design (:mod:`linattn_numba.gpu.blas`)."""
 
 
 @functools.cache

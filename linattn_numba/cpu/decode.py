@@ -11,7 +11,7 @@ takes once per generated token, where the fixed costs of the fused pass dominate
   are the same (``u S`` by BLAS, then the key's own term), and one pass over ``S``
   writes the new state ``S' = exp(ms - mu') S + phi^T [v | 1]``, which is
   :func:`linattn.state.absorb_keys` with the stabilisers of ``linattn.causal``;
-* ``L > 1`` runs the fused pass's chunk (:func:`linattn_numba.cpu._chunk_forward`) on
+* ``L > 1`` runs the fused pass's chunk (:func:`linattn_numba.cpu.chunks.chunk_forward`) on
   a copy of the state, in chunks of ``chunk_size``;
 * either way the outputs and the state equal the fused pass's bit for bit;
 * no workspace of ``FEATURE_BLOCK`` tokens, and BLAS is left as it is on the serial
@@ -38,7 +38,18 @@ import math
 import numpy as np
 from numba import prange
 
-from linattn_numba import _machinery, cpu
+from linattn_numba import _machinery
+from linattn_numba.cpu.chunks import (
+    chunk_forward,
+    chunk_shifts,
+    chunk_workspace,
+    key_features,
+    mask_later_keys,
+    running_max,
+    shift_between,
+)
+from linattn_numba.cpu.features import log_features
+from linattn_numba.cpu.scalars import safe_shift
 
 __all__ = ["decode_step"]
 
@@ -64,14 +75,14 @@ def _one_token(lq, lk, va, kv, mu, kv_out, mu_out, block, vecs, rows, square, st
     g, run, w, fq = vecs[3][:1], vecs[4][:1], vecs[5][:1], vecs[7][:1]
     u, psi, phi = rows[0][:1], rows[1][:1], rows[2][:1]
     weights, intra = square[:1].reshape(1, 1), square[1:2].reshape(1, 1)
-    has_state = cpu._safe_shift(mu, ms)
-    cpu._chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq)
-    cpu._running_max(lk, mu, top)
-    full = cpu._shift_between(mu, top, ms, shift, decay)
-    cpu._key_features(lk, shift, decay, psi, g, full, phi)
+    has_state = safe_shift(mu, ms)
+    chunk_shifts(lq, lk, ms, has_state, u, psi, g, run, w, weights, fq)
+    running_max(lk, mu, top)
+    full = shift_between(mu, top, ms, shift, decay)
+    key_features(lk, shift, decay, psi, g, full, phi)
     # The key's weight against itself (the chunk pass's masked diagonal), as it does.
     np.dot(u, psi.T, intra)
-    cpu._mask_later_keys(intra, weights)
+    mask_later_keys(intra, weights)
     if not full:  # empty rows hold nothing: read a copy with zeros there, update it
         _copy_state(kv, mu, kv_out, mu_out)
         kv = kv_out
@@ -111,8 +122,8 @@ def _decode(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, kv_out
         proj = np.empty((length if hyperbolic else 0, rows), dtype)
         va = np.empty((length, dv + 1), dtype)
         block = np.empty((length, dv + 1), dtype)
-        cpu._log_features(q[b], projection, consts, hyperbolic, proj, lq)
-        cpu._log_features(k[b], projection, consts, hyperbolic, proj, lk)
+        log_features(q[b], projection, consts, hyperbolic, proj, lq)
+        log_features(k[b], projection, consts, hyperbolic, proj, lk)
         for i in range(length):
             for e in range(dv):
                 va[i, e] = v[b, i, e]
@@ -134,11 +145,11 @@ def _decode(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, kv_out
         else:
             _copy_state(kv[b], mu[b], kv_out[b], mu_out[b])
             size = min(chunk, length)
-            work, square, vecs, state_out, product = cpu._workspace(size, m, dv + 1, dtype)
+            work, square, vecs, state_out, product = chunk_workspace(size, m, dv + 1, dtype)
             no_scale = np.empty(0, dtype)  # no log-scale wanted
             for t0 in range(0, length, size):
                 t1 = min(t0 + size, length)
-                cpu._chunk_forward(
+                chunk_forward(
                     lq[t0:t1], lk[t0:t1], va[t0:t1], kv_out[b], mu_out[b], block[t0:t1],
                     work, square, vecs, state_out, product, no_scale,
                 )  # fmt: skip

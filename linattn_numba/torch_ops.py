@@ -3,15 +3,15 @@
 ``torch.ops.linattn.causal_backward``, on CPU and CUDA tensors.
 
 Registered through ``torch.library.custom_op`` when this module is first imported
-(by ``linattn_numba.cpu`` or ``linattn_numba.gpu``, when a torch tensor first
-reaches a kernel; ``import linattn`` never imports torch).  The operators are
-opaque to ``torch.compile`` (no graph break: each has a fake implementation that
-gives output shapes and dtypes from the inputs' alone), differentiable through
-``register_autograd`` (also under ``torch.func.grad`` and ``vjp``), and refuse
-``torch.func.vmap`` with a clear ``NotImplementedError``.  The device code is
-imported inside each kernel: the CPU one from :mod:`linattn_numba.cpu` (NumPy views
-of the tensors), the CUDA one from :mod:`linattn_numba.gpu` (numba-cuda, imported
-only when a CUDA tensor arrives).
+(by :mod:`linattn_numba.libraries` or by ``linattn``, when a torch tensor first reaches a
+kernel; ``import linattn`` never imports torch).  The operators are opaque to
+``torch.compile`` (no graph break: each has a fake implementation that gives output
+shapes and dtypes from the inputs' alone), differentiable through ``register_autograd``
+(also under ``torch.func.grad`` and ``vjp``), and refuse ``torch.func.vmap`` with a
+clear ``NotImplementedError``.  The device code is imported inside each kernel: the CPU
+one from the passes of :mod:`linattn_numba.cpu` (NumPy views of the tensors), the CUDA
+one from :mod:`linattn_numba.gpu.host` (numba-cuda, imported only when a CUDA tensor
+arrives).
 
 Gradients.  The kernel's own stabilisers (the output ``log_shift`` and the per-row
 and per-key shifts inside it) are treated as constants by the backward pass.  That
@@ -29,7 +29,7 @@ exactly.
 Examples
 --------
 >>> import torch
->>> from linattn_numba import _torch
+>>> from linattn_numba import torch_ops
 >>> lq = torch.zeros(1, 3, 1)  # one feature, equal: causal attention is a running mean
 >>> va = torch.tensor([[[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]], requires_grad=True)
 >>> kv, mu = torch.zeros(1, 1, 2), torch.full((1, 1), -torch.inf)
@@ -39,7 +39,7 @@ Examples
 >>> out[..., 0].sum().backward()
 >>> va.grad[0, :, 0].tolist()  # each value reaches its own and every later output
 [3.0, 2.0, 1.0]
->>> out, _, _, scale = _torch.causal("cpu", lq, lq, va, kv, mu, 2, return_log_scale=True)
+>>> out, _, _, scale = torch_ops.causal("cpu", lq, lq, va, kv, mu, 2, return_log_scale=True)
 >>> (out[..., 1].log() + scale).exp().tolist()  # the true denominators
 [[1.0, 2.0, 3.0]]
 """
@@ -113,9 +113,7 @@ def causal_forward(
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(outputs_aug, kv_out, log_shift_out)``: the kernel contract of ``linattn_numba``."""
-    from linattn_numba import cpu
-
-    return cpu._torch_forward(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
+    return _cpu_forward(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)
 
 
 @torch.library.custom_op(
@@ -130,10 +128,8 @@ def causal_forward_scaled(
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(outputs_aug, kv_out, log_shift_out, log_scale)``: ``causal_forward`` and each
-    row's log-scale ``(*batch, L)`` (``linattn_numba.cpu.numpy_forward``)."""
-    from linattn_numba import cpu
-
-    return cpu._torch_forward(
+    row's log-scale ``(*batch, L)`` (``linattn_numba.cpu.causal.numpy_forward``)."""
+    return _cpu_forward(
         log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size, return_log_scale=True
     )
 
@@ -150,28 +146,63 @@ def causal_backward(
     d_kv: Tensor,
 ) -> Grads:
     """``(d_log_phi_q, d_log_phi_k, d_values_aug, d_kv_in)``, stabilisers held constant."""
-    from linattn_numba import cpu
-
-    return cpu._torch_backward(
+    return _cpu_backward(
         log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size, d_outputs_aug, d_kv
     )
 
 
-def _on_gpu(name: str) -> Any:
-    """The CUDA implementation: ``linattn_numba.gpu.<name>``, imported (with numba-cuda)
-    when the first CUDA tensor arrives, so that registering needs neither."""
+def _cpu_forward(
+    lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int, return_log_scale: bool = False
+) -> Any:
+    """:func:`linattn_numba.cpu.causal.numpy_forward` on NumPy views of CPU tensors; results
+    are fresh tensors."""
+    from linattn_numba.cpu.causal import numpy_forward
 
-    def kernel(*args: Any) -> Any:
-        from linattn_numba import gpu
-
-        return getattr(gpu, name)(*args)
-
-    return kernel
+    lq, lk, va, kv, mu = (x.detach().numpy() for x in (lq, lk, va, kv, mu))
+    results = numpy_forward(lq, lk, va, kv, mu, chunk_size, return_log_scale=return_log_scale)
+    return tuple(torch.from_numpy(r) for r in results)
 
 
-causal_forward.register_kernel("cuda")(_on_gpu("_torch_forward"))
-causal_forward_scaled.register_kernel("cuda")(_on_gpu("_torch_forward_scaled"))
-causal_backward.register_kernel("cuda")(_on_gpu("_torch_backward"))
+def _cpu_backward(
+    lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int, d_out: Any, d_kv: Any
+) -> Any:
+    """:func:`linattn_numba.cpu.causal.numpy_backward` on NumPy views of CPU tensors;
+    results are fresh tensors."""
+    from linattn_numba.cpu.causal import numpy_backward
+
+    lq, lk, va, kv, mu, d_out, d_kv = (
+        x.detach().numpy() for x in (lq, lk, va, kv, mu, d_out, d_kv)
+    )
+    grads = numpy_backward(lq, lk, va, kv, mu, chunk_size, d_out, d_kv)
+    return tuple(torch.from_numpy(g) for g in grads)
+
+
+# The CUDA implementations: linattn_numba.gpu.host, imported (with numba-cuda) when the
+# first CUDA tensor arrives, so that registering needs neither.
+
+
+@causal_forward.register_kernel("cuda")
+def _cuda_forward(*args: Any) -> tuple[Any, ...]:
+    """The CUDA implementation of ``torch.ops.linattn.causal_forward``."""
+    from linattn_numba.gpu import host
+
+    return host.forward("torch", *args)
+
+
+@causal_forward_scaled.register_kernel("cuda")
+def _cuda_forward_scaled(*args: Any) -> tuple[Any, ...]:
+    """The CUDA implementation of ``torch.ops.linattn.causal_forward_scaled``."""
+    from linattn_numba.gpu import host
+
+    return host.forward("torch", *args, return_log_scale=True)
+
+
+@causal_backward.register_kernel("cuda")
+def _cuda_backward(*args: Any) -> tuple[Any, Any, Any, Any]:
+    """The CUDA implementation of ``torch.ops.linattn.causal_backward``."""
+    from linattn_numba.gpu import host
+
+    return host.backward("torch", *args)
 
 
 # -- what torch.compile sees: shapes and dtypes only -----------------------------------
@@ -329,10 +360,10 @@ def bidirectional_forward(
     hyperbolic: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(outputs, kv, log_shift)``: ``linattn_numba._bidirectional.favor_bidirectional``."""
-    from linattn_numba import _bidirectional
+    """``(outputs, kv, log_shift)``: ``linattn_numba.bidirectional.favor_bidirectional``."""
+    from linattn_numba.cpu import bidirectional
 
-    results = _bidirectional.favor_bidirectional(
+    results = bidirectional.favor_bidirectional(
         *(_numpy(x) for x in (q, k, v, projection)),
         hyperbolic=hyperbolic,
         scale=scale,
@@ -359,9 +390,9 @@ def bidirectional_backward(
     grad_output: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` over the broadcast batch shape, stabilisers held constant."""
-    from linattn_numba import _bidirectional
+    from linattn_numba.cpu import bidirectional
 
-    grads = _bidirectional.favor_bidirectional_backward(
+    grads = bidirectional.favor_bidirectional_backward(
         *(_numpy(x) for x in (q, k, v, projection, kv, log_shift, outputs, grad_output)),
         hyperbolic=hyperbolic,
         scale=scale,
@@ -457,17 +488,17 @@ def causal_fused(
     Every input must be a CPU tensor (``key_mask`` may be ``None``): ``TypeError`` names
     the first that is not.  The tensors reach the kernel as NumPy views (no copy when
     contiguous and of the compute dtype); no ``L x m`` array is made, forward or backward
-    (:mod:`linattn_numba._fused_causal`).  ``log_shift`` out is a stabiliser
+    (:mod:`linattn_numba.cpu.fused_causal`).  ``log_shift`` out is a stabiliser
     (non-differentiable, as for ``causal_forward``).
 
     Examples
     --------
     >>> import torch
-    >>> from linattn_numba import _torch
+    >>> from linattn_numba import torch_ops
     >>> x = torch.zeros(1, 3, 2); w = torch.eye(2, dtype=torch.float64)
     >>> v = torch.arange(6.0).reshape(1, 3, 2).requires_grad_()
     >>> kv, mu = torch.zeros(1, 2, 3), torch.full((1, 2), -torch.inf)
-    >>> out, kv_out, mu_out, lse = _torch.causal_fused(x, x, v, w, None, kv, mu, False, 1.0, 2)
+    >>> out, kv_out, mu_out, lse = torch_ops.causal_fused(x, x, v, w, None, kv, mu, False, 1.0, 2)
     >>> out[0, :, 0].tolist()  # equal features: a running mean
     [0.0, 1.0, 2.0]
     >>> out[..., 0].sum().backward()
@@ -503,10 +534,10 @@ def causal_fused_forward(
     scale: float,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(outputs, kv, log_shift, log_normaliser)``: ``linattn_numba._fused_causal.forward``."""
-    from linattn_numba import _fused_causal
+    """``(outputs, kv, log_shift, log_normaliser)``: ``linattn_numba.cpu.fused_causal.forward``."""
+    from linattn_numba.cpu import fused_causal
 
-    results = _fused_causal.forward(
+    results = fused_causal.forward(
         *(_numpy(x) for x in (q, k, v, projection, kv, log_shift)),
         hyperbolic=hyperbolic,
         scale=scale,
@@ -537,9 +568,9 @@ def causal_fused_backward(
     grad_kv: Tensor,
 ) -> Grads:
     """``(dq, dk, dv, d_kv)`` over the broadcast batch shape, stabilisers held constant."""
-    from linattn_numba import _fused_causal
+    from linattn_numba.cpu import fused_causal_backward
 
-    grads = _fused_causal.backward(
+    grads = fused_causal_backward.backward(
         *(_numpy(x) for x in (q, k, v, projection, kv, log_shift, outputs, grad_output)),
         hyperbolic=hyperbolic,
         scale=scale,

@@ -6,14 +6,14 @@ exists:
 
 1. every block of keys is absorbed into the stabilised state ``(S, mu)``:
    ``mu' = max(mu, max_j l(k_j))``, ``S' = exp(mu - mu') S + exp(l(K) - mu')^T [V | 1]``
-   (``linattn_numba.cpu._absorb``; the per-feature maximum over all keys is reached
+   (``linattn_numba.cpu.chunks.absorb``; the per-feature maximum over all keys is reached
    block by block, each block rescaling the sum so far);
 2. every block of queries is read out: ``u_t = exp(l(q_t) + mu - F_t)``,
    ``F_t = max_r (l(q_t) + mu)_r``, ``O_t = u_t S``, normalised ``O_t[:d_v] / O_t[d_v]``
    (zeros where the denominator is 0: the query sees no key).
 
 The log-features ``l(x)`` of the ``"positive"`` and ``"hyperbolic"`` kinds are computed
-in the kernel, :data:`linattn_numba.cpu.FEATURE_BLOCK` tokens at a time, so memory above
+in the kernel, :data:`linattn_numba.cpu.features.FEATURE_BLOCK` tokens at a time, so memory above
 inputs and outputs is ``O(FEATURE_BLOCK m)`` per thread; the queries' per-row offset
 ``s |q_t|^2 / 2 + log(m) / 2`` is never computed (``F_t`` absorbs it), each denominator is
 summed with its row's exponentials, and the state products run ``d_v`` wide (``phi^T V``
@@ -22,7 +22,7 @@ and ``u S[:, :d_v]``), the ones column as sums.
 The backward pass (:func:`favor_bidirectional_backward`) gives the gradients of the
 normalised outputs with respect to ``q``, ``k`` and ``v``, every stabiliser (``mu``,
 ``F``) held constant: exact, because numerator and denominator share every shift (the
-module docstring of :mod:`linattn_numba.cpu`).  With ``A_t = [g_t / D_t, -(g_t . o_t) /
+module docstring of :mod:`linattn_numba.cpu.causal`).  With ``A_t = [g_t / D_t, -(g_t . o_t) /
 D_t]`` the cotangent of the unnormalised row: ``d l(q_t) = u_t * (A_t S^T)``,
 ``dS = sum_t u_t^T A_t``, ``d l(k_j) = phi_j * ([v_j | 1] dS^T)``, ``d[v_j | 1] = phi_j dS``
 with ``phi_j = exp(l(k_j) - mu)``, then through the features: ``dx = d_proj P - s x
@@ -35,178 +35,28 @@ while a kernel runs.
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import numpy as np
 from numba import prange
 
-from linattn_numba import _hybrid, _machinery
-from linattn_numba.cpu import (
+from linattn_numba import _machinery
+from linattn_numba.cpu.arrays import without_empty_rows
+from linattn_numba.cpu.calls import FusedCall
+from linattn_numba.cpu.chunks import running_max, shift_between
+from linattn_numba.cpu.exact import exact_rows, merge_into
+from linattn_numba.cpu.features import (
     FEATURE_BLOCK,
-    _flat,
-    _half_norm,
-    _log_features,
-    _running_max,
-    _safe_shift,
-    _shift_between,
-    _without_empty_rows,
-    fast_exp,
-    typed,
+    LANES,
+    features_vjp,
+    key_block,
+    key_factors,
+    log_features,
+    query_block,
 )
+from linattn_numba.cpu.scalars import fast_exp, safe_shift, typed
 
 __all__ = ["favor_bidirectional", "favor_bidirectional_backward"]
 
 _jit = _machinery.jit
-
-
-# -- blocks -----------------------------------------------------------------------------
-
-
-@_jit()
-def _key_block(k, v, mask, projection, consts, hyperbolic, proj, lk, va):
-    """Key log-features ``lk`` and ``va = [v | 1]`` of one block; a masked key gets
-    ``-inf`` features and zero values (no features, no padding values)."""
-    n = lk.shape[0]
-    dv = v.shape[1]
-    m = lk.shape[1]
-    _log_features(k, projection, consts, hyperbolic, proj, lk)
-    for i in range(n):
-        for e in range(dv):
-            va[i, e] = v[i, e]
-        va[i, dv] = 1
-        if not mask[i]:
-            for r in range(m):
-                lk[i, r] = -np.inf
-            for e in range(dv):
-                va[i, e] = 0
-
-
-#: Lanes of the per-row maximum in :func:`_query_block`: a running maximum per lane is
-#: an elementwise ``max`` that vectorises (a scalar ``max`` reduction over floats does
-#: not without fast-math flags that assume no NaN); measured 2.4x faster, m = 256.
-LANES = 16
-
-
-@_jit()
-def _project(x, projection, hyperbolic, proj, out):
-    """``out = +-(sqrt(s) x) W^T``: the log-features without their per-row offset
-    ``s |x|^2 / 2 + log(m) / 2`` (``proj`` is scratch for the hyperbolic kind)."""
-    rows = projection.shape[0]
-    if not hyperbolic:
-        np.dot(x, projection.T, out)
-        return
-    np.dot(x, projection.T, proj)
-    for i in range(x.shape[0]):
-        for r in range(rows):
-            out[i, r] = proj[i, r]
-            out[i, rows + r] = -proj[i, r]
-
-
-@_jit(fastmath=frozenset({"contract", "reassoc"}))
-def _exp_row(u, i, f, z):
-    """``u[i] = exp(u[i] - f)`` in place; returns ``u[i] . z`` (summed in any order)."""
-    total = u[i, 0] - u[i, 0]
-    for r in range(u.shape[1]):
-        p = fast_exp(u[i, r] - f)
-        u[i, r] = p
-        total += p * z[r]
-    return total
-
-
-@_jit()
-def _query_factors(u, ms, lanes, z, den, tops):
-    """``u_t = exp(u_t + ms - F_t)`` in place (``F_t`` the row's maximum, 0 where not
-    finite, into ``tops``) and ``den_t = u_t . z``; ``lanes`` is scratch of
-    :data:`LANES` entries."""
-    n, m = u.shape
-    zero = ms[0] - ms[0]
-    whole = m - m % LANES
-    for i in range(n):
-        row = u[i]
-        for r in range(m):
-            row[r] += ms[r]
-        lanes[:] = row[0]
-        for r0 in range(0, whole, LANES):
-            for lane in range(LANES):
-                x = row[r0 + lane]
-                lanes[lane] = x if x > lanes[lane] else lanes[lane]
-        f = lanes[0]
-        for lane in range(1, LANES):
-            if lanes[lane] > f:
-                f = lanes[lane]
-        for r in range(whole, m):
-            if row[r] > f:
-                f = row[r]
-        if not np.isfinite(f):
-            f = zero
-        tops[i] = f
-        den[i] = _exp_row(u, i, f, z)
-
-
-@_jit()
-def _query_block(x, projection, consts, hyperbolic, proj, ms, lanes, z, u, den, scale):
-    """``u_t = exp(l(q_t) + ms - F_t)`` of one block of queries into ``u``, their
-    denominators ``den_t = u_t . z`` (``z = S[:, d_v]``) and log-scales ``scale_t``: the
-    true ``[num | den]`` is ``exp(scale_t) [u_t S]``.
-
-    ``F_t = max_r (l(q_t) + ms)_r`` absorbs ``l``'s per-row offset ``o_t = s |q_t|^2 / 2
-    + log(m) / 2``, so that is not subtracted from the projection, only from the scale
-    (``scale_t = F_t - o_t``).  A row whose ``s |x|^2 / 2`` overflows has no features
-    (``l = -inf``): ``u_t = 0``.
-    """
-    root_half_scale = np.sqrt(consts[0])
-    _project(x, projection, hyperbolic, proj, u)
-    _query_factors(u, ms, lanes, z, den, scale)
-    for i in range(u.shape[0]):
-        half_norm = _half_norm(x[i], root_half_scale)
-        scale[i] -= half_norm + consts[1]
-        if half_norm == np.inf:
-            for r in range(u.shape[1]):
-                u[i, r] = 0
-            den[i] = 0
-
-
-@_jit()
-def _key_factors(lk, ms):
-    """``phi_j = exp(l(k_j) - ms)`` in place of ``lk``: the keys as the final state holds them."""
-    n, m = lk.shape
-    for j in range(n):
-        for r in range(m):
-            lk[j, r] = fast_exp(lk[j, r] - ms[r])
-
-
-@_jit()
-def _features_vjp(x, d_log, projection, consts, hyperbolic, d_proj, dx):
-    """``dx`` from the cotangent ``d_log`` of :func:`linattn_numba.cpu._log_features`.
-
-    ``l(x) = +-P x - s |x|^2 / 2 - c``: ``dx = (d_+ - d_-) P - s x sum_r d_r``; rows
-    whose ``s |x|^2 / 2`` overflows have constant (``-inf``) features: ``dx = 0``.
-    """
-    n = x.shape[0]
-    rows = projection.shape[0]
-    width = d_log.shape[1]
-    d = x.shape[1]
-    root_half_scale = np.sqrt(consts[0])
-    scale = consts[0] + consts[0]  # (2 * x would be float64)
-    if hyperbolic:
-        for i in range(n):
-            for r in range(rows):
-                d_proj[i, r] = d_log[i, r] - d_log[i, rows + r]
-        np.dot(d_proj, projection, dx)
-    else:
-        np.dot(d_log, projection, dx)
-    for i in range(n):
-        if _half_norm(x[i], root_half_scale) == np.inf:
-            for e in range(d):
-                dx[i, e] = 0
-            continue
-        total = d_log[i, 0] - d_log[i, 0]
-        for r in range(width):
-            total += d_log[i, r]
-        weight = scale * total
-        for e in range(d):
-            dx[i, e] -= weight * x[i, e]
 
 
 @_jit()
@@ -220,9 +70,6 @@ def _normalise_rows(block, den, out):
         else:
             for e in range(dv):
                 out[i, e] = den[i]
-
-
-# -- passes -----------------------------------------------------------------------------
 
 
 @_jit()
@@ -240,9 +87,9 @@ def _workspace(span, m, rows, hyperbolic, width, dtype):
 
 @_jit()
 def _key_log_features(x, mask, projection, consts, hyperbolic, proj, lk):
-    """``lk = l(k)`` of one block of keys (:func:`linattn_numba.cpu._log_features`), ``-inf``
-    rows for masked keys."""
-    _log_features(x, projection, consts, hyperbolic, proj, lk)
+    """``lk = l(k)`` of one block of keys (:func:`linattn_numba.cpu.features.log_features`),
+    ``-inf`` rows for masked keys."""
+    log_features(x, projection, consts, hyperbolic, proj, lk)
     for j in range(lk.shape[0]):
         if not mask[j]:
             for r in range(lk.shape[1]):
@@ -280,10 +127,10 @@ def _absorb_all(k, v, mask, projection, consts, hyperbolic, kv, mu, work):
         s1 = min(s0 + span, k.shape[0])
         n = s1 - s0
         lk = feats[0][:n]
-        _safe_shift(mu, ms)
+        safe_shift(mu, ms)
         _key_log_features(k[s0:s1], mask[s0:s1], projection, consts, hyperbolic, proj[:n], lk)
-        _running_max(lk, mu, top)
-        _shift_between(mu, top, ms, shift, decay)
+        running_max(lk, mu, top)
+        shift_between(mu, top, ms, shift, decay)
         _exp_rows(lk, shift, sums)
         every = True
         for j in range(s0, s1):
@@ -316,13 +163,13 @@ def _split_state(kv, numerators, z):
 @_jit()
 def _merge_sinks(q, t, sinks, sink_values, visible, window_consts, far, far_scale, work, out):
     """``out[t]``: query ``t``'s far row ``exp(far_scale) far`` (``[num | den]``) merged
-    with its exact sinks (:func:`linattn_numba._hybrid._exact_rows` with no window)."""
+    with its exact sinks (:func:`linattn_numba.cpu.exact.exact_rows` with no window)."""
     scratch, row, later, recent, recent_values, keep = work
-    top = _hybrid._exact_rows(
+    top = exact_rows(
         q, q, sink_values, recent, recent_values, keep, sinks, sink_values, visible, t, -1, 0,
         window_consts, scratch, row[0],
     )  # fmt: skip
-    _hybrid._merge_into(
+    merge_into(
         far, 0, far_scale, later, 0, typed(-np.inf, far_scale), row, 0, row[0, out.shape[1]], top,
         window_consts[0], out, t,
     )  # fmt: skip
@@ -355,13 +202,13 @@ def _forward(
             np.empty(count, q.dtype), np.empty((1, width), q.dtype), np.zeros((1, width), q.dtype),
             np.empty((0, d), q.dtype), np.empty((0, dv), q.dtype), mask[b],
         )  # fmt: skip
-        _safe_shift(mu[b], ms)
+        safe_shift(mu[b], ms)
         _split_state(kv[b], numerators, z)
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
             u = feats[0][:n]
-            _query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
+            query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
                          u, den[:n], scale[:n])  # fmt: skip
             np.dot(u, numerators, block[:n])
             if lse.shape[1]:  # log(0) = -inf: a row that sees no key; NaN stays NaN
@@ -409,175 +256,36 @@ def _backward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, 
         proj, feats, blocks, vecs, product = _workspace(span, m, rows, hyperbolic, width, q.dtype)
         d_state = np.zeros((m, width), q.dtype)
         ms, z, lanes = vecs[0][:m], vecs[1][:m], vecs[5][:LANES]
-        _safe_shift(mu[b], ms)
+        safe_shift(mu[b], ms)
         z[:] = kv[b][:, width - 1]
         # Queries: d l(q) = u * (A S^T), dS = u^T A.
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
             u, d_aug, du = feats[0][:n], blocks[0][:n], feats[1][:n]
-            _query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
+            query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
                          u, vecs[2][:n], vecs[3][:n])  # fmt: skip
             _query_cotangents(u, kv[b], out[b][s0:s1], grad[b][s0:s1], d_aug)
             np.dot(d_aug, kv[b].T, du)
             np.dot(u.T, d_aug, product)
             d_state += product
             du *= u
-            _features_vjp(q[b][s0:s1], du, projection, consts, hyperbolic, proj[:n],
+            features_vjp(q[b][s0:s1], du, projection, consts, hyperbolic, proj[:n],
                           dq[b][s0:s1])  # fmt: skip
         # Keys: d l(k) = phi * ([V|1] dS^T), d[V|1] = phi dS.
         for s0 in range(0, k.shape[1], span):
             s1 = min(s0 + span, k.shape[1])
             n = s1 - s0
             phi, va, d_va, dphi = feats[0][:n], blocks[0][:n], blocks[1][:n], feats[1][:n]
-            _key_block(k[b][s0:s1], v[b][s0:s1], mask[b][s0:s1], projection, consts,
+            key_block(k[b][s0:s1], v[b][s0:s1], mask[b][s0:s1], projection, consts,
                        hyperbolic, proj[:n], phi, va)  # fmt: skip
-            _key_factors(phi, ms)
+            key_factors(phi, ms)
             np.dot(va, d_state.T, dphi)
             np.dot(phi, d_state, d_va)
             dphi *= phi
             dv[b][s0:s1] = d_va[:, : width - 1]
-            _features_vjp(k[b][s0:s1], dphi, projection, consts, hyperbolic, proj[:n],
+            features_vjp(k[b][s0:s1], dphi, projection, consts, hyperbolic, proj[:n],
                           dk[b][s0:s1])  # fmt: skip
-
-
-# -- checks and entry points --------------------------------------------------------------
-
-
-class _Call:
-    """One checked call: flattened, contiguous operands in the compute dtype."""
-
-    def __init__(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        projection: Any,
-        hyperbolic: object,
-        scale: object,
-        key_mask: Any,
-    ) -> None:
-        arrays = {"q": q, "k": k, "v": v, "projection": projection}
-        if key_mask is not None:
-            arrays["key_mask"] = key_mask
-        for name, x in arrays.items():
-            if not isinstance(x, np.ndarray):
-                raise TypeError(
-                    f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
-                )
-        for name in ("q", "k", "v", "projection"):
-            if not np.issubdtype(arrays[name].dtype, np.floating):
-                raise TypeError(f"{name} must have a floating dtype; got {arrays[name].dtype}")
-        if key_mask is not None and key_mask.dtype != np.bool_:
-            raise TypeError(f"key_mask must have dtype bool; got {key_mask.dtype}")
-        if not isinstance(hyperbolic, bool | np.bool_):
-            raise TypeError(f"hyperbolic must be True or False; got {hyperbolic!r}")
-        if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating):
-            raise TypeError(f"scale must be a positive float; got {scale!r}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a positive float; got {scale!r}")
-        for name in ("q", "k", "v"):
-            if arrays[name].ndim < 2:
-                raise ValueError(
-                    f"{name} must have shape (*batch, L, d); got {arrays[name].shape}"
-                )
-        if projection.ndim != 2 or projection.shape[1] != q.shape[-1]:
-            raise ValueError(
-                f"projection must have shape (rows, {q.shape[-1]}) to match q {q.shape}; "
-                f"got {projection.shape}"
-            )
-        if k.shape[-1] != q.shape[-1]:
-            raise ValueError(f"k must have shape (..., {q.shape[-1]}) like q; got {k.shape}")
-        length, key_length = q.shape[-2], k.shape[-2]
-        if v.shape[-2] != key_length:
-            raise ValueError(
-                f"v must have shape (..., {key_length}, d_v) to match k {k.shape}; got {v.shape}"
-            )
-        if key_mask is not None and (key_mask.ndim < 1 or key_mask.shape[-1] != key_length):
-            raise ValueError(
-                f"key_mask must have shape (..., {key_length}) to match k {k.shape}; "
-                f"got {key_mask.shape}"
-            )
-        shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
-        shapes += [] if key_mask is None else [key_mask.shape[:-1]]
-        try:
-            batch = np.broadcast_shapes(*shapes)
-        except ValueError:
-            raise ValueError(
-                "the batch axes of q, k, v (and key_mask) must broadcast; got "
-                f"q {q.shape}, k {k.shape}, v {v.shape}"
-                + ("" if key_mask is None else f", key_mask {key_mask.shape}")
-            ) from None
-        self.dtype = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
-        self.batch, self.n = batch, math.prod(batch)
-        self.length, self.dv, self.d = length, v.shape[-1], q.shape[-1]
-        self.m = projection.shape[0] * (2 if hyperbolic else 1)
-        self.hyperbolic = bool(hyperbolic)
-
-        def flat(x: np.ndarray, tail: tuple[int, ...], dtype: Any) -> np.ndarray:
-            return _flat(np.broadcast_to(x, (*batch, *tail)), (self.n, *tail), dtype)
-
-        self.q = flat(q, (length, self.d), self.dtype)
-        self.k = flat(k, (key_length, self.d), self.dtype)
-        self.v = flat(v, (key_length, self.dv), self.dtype)
-        mask = np.ones(key_length, bool) if key_mask is None else key_mask
-        self.mask = flat(mask, (key_length,), None)
-        self.consts = np.array([0.5 * scale, 0.5 * np.log(self.m)], dtype=self.dtype)
-        self.projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=self.dtype)
-        tokens = max(length, key_length)
-        self.variant = _machinery.choose_variant(self.n, tokens, self.m * (self.dv + 1))
-
-    def operands(self) -> tuple[Any, ...]:
-        return (self.q, self.k, self.v, self.mask, self.projection, self.consts, self.hyperbolic)
-
-    def sinks(self, sinks: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The checked, flattened ``(keys, values, visible)`` of exact keys (none: empty)."""
-        if sinks is None:
-            return (
-                np.zeros((self.n, 0, self.d), self.dtype),
-                np.zeros((self.n, 0, self.dv), self.dtype),
-                np.zeros((self.n, self.length, 0), np.bool_),
-            )
-        if not isinstance(sinks, tuple) or len(sinks) != 3:
-            raise TypeError(f"sinks must be a tuple (keys, values, visible); got {sinks!r}")
-        keys, values, visible = sinks
-        for name, x in (("sink keys", keys), ("sink values", values), ("visible", visible)):
-            if not isinstance(x, np.ndarray):
-                raise TypeError(
-                    f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
-                )
-        if visible.dtype != np.bool_:
-            raise TypeError(f"visible must have dtype bool; got {visible.dtype}")
-        count = keys.shape[-2] if keys.ndim >= 2 else -1
-        expected = {
-            "sink keys": (keys, (count, self.d)),
-            "sink values": (values, (count, self.dv)),
-            "visible": (visible, (self.length, count)),
-        }
-        for name, (x, tail) in expected.items():
-            if x.ndim < 2 or tuple(x.shape[-2:]) != tail:
-                raise ValueError(f"{name} must have shape (*batch, {tail[0]}, {tail[1]}); "
-                                 f"got {x.shape}")  # fmt: skip
-        return (
-            self.shaped(keys, count, self.d),
-            self.shaped(values, count, self.dv),
-            _flat(np.broadcast_to(visible, (*self.batch, self.length, count)),
-                  (self.n, self.length, count), None),
-        )  # fmt: skip
-
-    def shaped(self, x: np.ndarray, *tail: int) -> np.ndarray:
-        """A checked flat array ``(n, *tail)`` in the compute dtype, C-contiguous."""
-        return _flat(np.broadcast_to(x, (*self.batch, *tail)), (self.n, *tail), self.dtype)
-
-    def check(self, name: str, x: Any, tail: tuple[int, ...]) -> np.ndarray:
-        if not isinstance(x, np.ndarray):
-            raise TypeError(
-                f"{name} must be a numpy.ndarray; got {type(x).__module__}.{type(x).__name__}"
-            )
-        expected = (*self.batch, *tail)
-        if tuple(x.shape) != expected:
-            raise ValueError(f"{name} must have shape {expected}; got {tuple(x.shape)}")
-        return self.shaped(x, *tail)
 
 
 def favor_bidirectional(
@@ -637,7 +345,7 @@ def favor_bidirectional(
            [2., 3.],
            [2., 3.]])
     """
-    call = _Call(q, k, v, projection, hyperbolic, scale, key_mask)
+    call = FusedCall(q, k, v, projection, hyperbolic, scale, key_mask)
     kv = np.zeros((call.n, call.m, call.dv + 1), call.dtype)
     mu = np.full((call.n, call.m), -np.inf, call.dtype)
     out = np.empty((call.n, call.length, call.dv), call.dtype)
@@ -696,10 +404,10 @@ def favor_bidirectional_backward(
     >>> bool(abs((g * (out2 - out)).sum() / 1e-6 - dv[0, 1, 0]) < 1e-5)
     True
     """
-    call = _Call(q, k, v, projection, hyperbolic, scale, key_mask)
+    call = FusedCall(q, k, v, projection, hyperbolic, scale, key_mask)
     state = call.check("kv", kv, (call.m, call.dv + 1))
     mu = call.check("log_shift", log_shift, (call.m,))
-    state = _without_empty_rows(state.copy(), mu)
+    state = without_empty_rows(state.copy(), mu)
     out = call.check("outputs", outputs, (call.length, call.dv))
     grad = call.check("grad_output", grad_output, (call.length, call.dv))
     dq, dk, dv = (np.empty(x.shape, call.dtype) for x in (call.q, call.k, call.v))

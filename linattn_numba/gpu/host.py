@@ -1,7 +1,7 @@
 """Causal linear attention on the GPU: the host side of the Numba CUDA kernels.
 
 Checks a call, flattens the batch axes, allocates outputs and scratch in the
-caller's library, and launches the kernels of :mod:`linattn_numba._gpu_kernels`
+caller's library, and launches the kernels of :mod:`linattn_numba.gpu.kernels`
 (same algorithm, stabilisers and results as ``linattn.causal.causal``).
 
 * Arrays reach the kernels zero-copy through ``__cuda_array_interface__``; only
@@ -14,7 +14,7 @@ caller's library, and launches the kernels of :mod:`linattn_numba._gpu_kernels`
 * Everything is validated before any launch; a failed launch raises
   ``RuntimeError`` naming the kernel (asynchronous faults surface at the
   caller's next synchronisation, as for any CUDA library).
-* torch CUDA tensors go through the custom operators of :mod:`linattn_numba._torch`
+* torch CUDA tensors go through the custom operators of :mod:`linattn_numba.torch_ops`
   (``torch.ops.linattn.causal_forward`` / ``causal_backward``: autograd,
   ``torch.compile``), whose CUDA implementations are :func:`forward` and
   :func:`backward`.
@@ -39,19 +39,26 @@ array([1., 2., 3.])
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from linattn_numba import _contract, _cuda, _gpu_blas
-from linattn_numba._gpu_kernels import KEY_STATE, QUERY, TILE, WEIGHTED_QUERY, kernels
+from linattn_numba import _contract
+from linattn_numba.gpu import blas, target
+from linattn_numba.gpu.kernels import KEY_STATE, QUERY, TILE, WEIGHTED_QUERY, kernels
 
-__all__ = ["DESIGNS", "LIBRARIES", "backward", "causal_kernel", "design", "forward"]
+__all__ = [
+    "DESIGNS",
+    "DESIGN_VARIABLE",
+    "LIBRARIES",
+    "TF32_VARIABLE",
+    "backward",
+    "design",
+    "forward",
+]
 
 MAX_BATCH = 65535  # CUDA's limit on gridDim.y
 BLOCK = (TILE, TILE)
@@ -59,7 +66,7 @@ FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")  # (computed in floa
 
 DESIGNS = ("kernels", "blas")
 """Forward designs: numba-cuda kernels throughout (the default), or the chunk products
-through the vendor BLAS (:mod:`linattn_numba._gpu_blas`)."""
+through the vendor BLAS (:mod:`linattn_numba.gpu.blas`)."""
 DESIGN_VARIABLE = "LINATTN_CUDA_DESIGN"
 TF32_VARIABLE = "LINATTN_CUDA_TF32"
 
@@ -118,7 +125,7 @@ class _Library:
 
     def view(self, x: Any) -> Any:
         """The numba device array seeing ``x``'s memory."""
-        return _cuda.as_device_array(x)
+        return target.as_device_array(x)
 
     def stream(self, device: int | None) -> Any:
         raise NotImplementedError
@@ -139,16 +146,16 @@ class _NumPy(_Library):
         return 0
 
     def prepare(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        return _cuda.to_device(np.ascontiguousarray(np.reshape(x, shape), dtype=dtype))
+        return target.to_device(np.ascontiguousarray(np.reshape(x, shape), dtype=dtype))
 
     def copy(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
         return self.prepare(x, shape, dtype)
 
     def empty(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        return _cuda.device_array(shape, np.dtype(dtype))
+        return target.device_array(shape, np.dtype(dtype))
 
     def zeros(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        return _cuda.to_device(np.zeros(shape, dtype=dtype))
+        return target.to_device(np.zeros(shape, dtype=dtype))
 
     def view(self, x: Any) -> Any:
         return x
@@ -197,7 +204,7 @@ class _CuPy(_Library):
         import cupy
 
         with cupy.cuda.Device(device):
-            return _cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+            return target.external_stream(cupy.cuda.get_current_stream().ptr)
 
 
 class _Torch(_Library):
@@ -235,7 +242,7 @@ class _Torch(_Library):
     def stream(self, device: int | None) -> Any:
         import torch
 
-        return _cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+        return target.external_stream(torch.cuda.current_stream(device).cuda_stream)
 
 
 LIBRARIES: dict[str, _Library] = {lib.name: lib for lib in (_NumPy(), _CuPy(), _Torch())}
@@ -334,7 +341,7 @@ class _Launcher:
         try:
             with warnings.catch_warnings():
                 # Small problems under-fill a GPU; that is the caller's choice, not an error.
-                for category in _cuda.PERFORMANCE_WARNINGS:
+                for category in target.PERFORMANCE_WARNINGS:
                     warnings.simplefilter("ignore", category)
                 getattr(self.kernels, name)[grid, block, self.stream](*args)
         except Exception as error:  # CudaAPIError, CudaSupportError, ...
@@ -387,7 +394,7 @@ def forward(
     p = _check(LIBRARIES[library], _contract.named(inputs), chunk_size)
     name, env_tf32 = design(design_name)
     tf32 = env_tf32 if allow_tf32 is None else allow_tf32
-    with _cuda.gpu(p.device):
+    with target.gpu(p.device):
         lq, lk = p.prepare(log_phi_q, "features"), p.prepare(log_phi_k, "features")
         va = p.prepare(values_aug, "values")
         out = p.empty("values")
@@ -396,7 +403,7 @@ def forward(
             launch, state, kv_out, mu_out, stats = _scan(p, lq, lk, kv, log_shift)
             arrays = (lq, lk, va, state, out, kv_out)
             if name == "blas":
-                _gpu_blas.forward(p, launch, arrays, stats, tf32)
+                blas.forward(p, launch, arrays, stats, tf32)
             else:
                 _forward_kernels(p, launch, arrays, stats)
             if scale is not None:
@@ -455,7 +462,7 @@ def backward(
     if d_kv_out is None:
         del named["d_kv_out"]
     p = _check(LIBRARIES[library], named, chunk_size)
-    with _cuda.gpu(p.device):
+    with target.gpu(p.device):
         lq, lk = p.prepare(log_phi_q, "features"), p.prepare(log_phi_k, "features")
         va, d_out = p.prepare(values_aug, "values"), p.prepare(d_outputs_aug, "values")
         d_lq, d_lk, d_va = p.empty("features"), p.empty("features"), p.empty("values")
@@ -513,52 +520,3 @@ def backward(
             p.result(d_va, "values"),
             p.result(d_kv, "state"),
         )
-
-
-# --------------------------------------------------------------------------------------
-# Entry points of the kernel contract.
-
-
-def _torch_forward(*args: Any) -> tuple[Any, ...]:
-    """The CUDA implementation of ``torch.ops.linattn.causal_forward``."""
-    return forward("torch", *args)
-
-
-def _torch_forward_scaled(*args: Any) -> tuple[Any, ...]:
-    """The CUDA implementation of ``torch.ops.linattn.causal_forward_scaled``."""
-    return forward("torch", *args, return_log_scale=True)
-
-
-def _torch_backward(*args: Any) -> tuple[Any, Any, Any, Any]:
-    """The CUDA implementation of ``torch.ops.linattn.causal_backward``."""
-    return backward("torch", *args)
-
-
-def _torch_kernel(
-    lq: Any, lk: Any, va: Any, kv: Any, mu: Any, chunk_size: int, *, return_log_scale: bool = False
-) -> tuple[Any, ...]:
-    """``torch.ops.linattn.causal_forward`` (autograd and ``torch.compile`` included);
-    ``causal_forward_scaled`` with ``return_log_scale`` (see :func:`forward`)."""
-    from linattn_numba._torch import causal  # (registers the operators on first use)
-
-    return causal("cuda", lq, lk, va, kv, mu, chunk_size, return_log_scale=return_log_scale)
-
-
-def causal_kernel(library: str) -> Callable[..., tuple[Any, ...]]:
-    """The contract's ``kernel(log_phi_q, log_phi_k, values_aug, kv, log_shift, chunk_size)``.
-
-    ``library`` is ``"cupy"`` or ``"torch"`` (CUDA tensors, through the custom
-    operator ``torch.ops.linattn.causal_forward``), or ``"numpy"``
-    (host arrays copied to the device and back: for the simulator and tests).
-
-    Examples
-    --------
-    >>> from linattn_numba import gpu
-    >>> callable(gpu.causal_kernel("cupy"))
-    True
-    """
-    if library == "torch":
-        return _torch_kernel
-    if library in LIBRARIES:
-        return functools.partial(forward, library)
-    raise ValueError(f"library must be one of {sorted(LIBRARIES)}; got {library!r}")

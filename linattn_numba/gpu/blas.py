@@ -1,7 +1,7 @@
 """The vendor-BLAS design of the GPU forward: chunk products as batched matmuls.
 
 The same algorithm, stabilisers and contract as the numba-cuda kernels of
-:mod:`linattn_numba._gpu_kernels` (``gpu.forward(..., design="blas")``), split
+:mod:`linattn_numba.gpu.kernels` (``gpu.forward(..., design="blas")``), split
 differently: the stabilisers (``chunk_max``, ``prefix_max``, ``row_stats``) and
 every elementwise step are numba-cuda kernels, and the four products of each
 chunk are one batched matrix product each, over ``(B, N)`` chunks, by the array
@@ -31,8 +31,8 @@ TF32 keeps 10 mantissa bits: it breaks the float32 tolerance of 1e-5.
 
 Examples
 --------
->>> from linattn_numba import _gpu_blas
->>> sorted(_gpu_blas.MATMULS)
+>>> from linattn_numba.gpu import blas
+>>> sorted(blas.MATMULS)
 ['cupy', 'numpy', 'torch']
 """
 
@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from linattn_numba import _cuda
-from linattn_numba._gpu_kernels import TILE
+from linattn_numba.gpu import target
+from linattn_numba.gpu.kernels import TILE
 
 __all__ = ["MATMULS", "forward", "tf32"]
 
@@ -61,7 +61,7 @@ def _numpy_matmul(a: Any, b: Any, ta: bool, tb: bool) -> Any:
     x, y = a.copy_to_host(), b.copy_to_host()
     x = _last_two(x, "numpy") if ta else x
     y = _last_two(y, "numpy") if tb else y
-    return _cuda.to_device(np.ascontiguousarray(np.matmul(x, y)))
+    return target.to_device(np.ascontiguousarray(np.matmul(x, y)))
 
 
 def _cupy_matmul(a: Any, b: Any, ta: bool, tb: bool) -> Any:
