@@ -238,6 +238,7 @@ def backward(
     Examples
     --------
     >>> import numpy as np
+    >>> from linattn_numba.cpu.fused_causal import forward
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.normal(size=(1, 5, 2)) for _ in range(3))
     >>> w, g = rng.normal(size=(3, 2)), rng.normal(size=(1, 5, 2))
