@@ -89,7 +89,8 @@ def cuda_causal_kernel(library: str) -> Callable[..., tuple[Any, ...]]:
     """
     if library == "torch":
         return _cuda_torch_kernel
-    from linattn_numba.gpu.host import LIBRARIES, forward
+    from linattn_numba.gpu.arrays import LIBRARIES
+    from linattn_numba.gpu.host import forward
 
     if library in LIBRARIES:
         return functools.partial(forward, library)

@@ -4,8 +4,9 @@ The layers, each using only those below it (which kernel serves which library, a
 torch operators, are bindings above this package: :mod:`linattn_numba.libraries` and
 :mod:`linattn_numba.torch_ops`):
 
-* :mod:`~linattn_numba.gpu.host`: the host side (checks, allocation and launches in the
-  caller's library: NumPy host arrays, CuPy, torch);
+* :mod:`~linattn_numba.gpu.host`: the host side (checks and launches), and
+  :mod:`~linattn_numba.gpu.arrays`: the caller's library (NumPy host arrays, CuPy, torch:
+  checks, allocation, streams);
 * device code: :mod:`~linattn_numba.gpu.kernels` (the CUDA kernels) and
   :mod:`~linattn_numba.gpu.blas` (the vendor-BLAS design's products);
 * :mod:`~linattn_numba.gpu.target`: the one module that imports numba's CUDA target
@@ -18,10 +19,10 @@ numba-cuda; :func:`linattn_numba.cuda_status` says whether the kernels can run.
 
 from __future__ import annotations
 
+from linattn_numba.gpu.arrays import LIBRARIES
 from linattn_numba.gpu.host import (
     DESIGN_VARIABLE,
     DESIGNS,
-    LIBRARIES,
     TF32_VARIABLE,
     backward,
     design,

@@ -1,8 +1,9 @@
 """Causal linear attention on the GPU: the host side of the Numba CUDA kernels.
 
 Checks a call, flattens the batch axes, allocates outputs and scratch in the
-caller's library, and launches the kernels of :mod:`linattn_numba.gpu.kernels`
-(same algorithm, stabilisers and results as ``linattn.causal.causal``).
+caller's library (:mod:`linattn_numba.gpu.arrays`), and launches the kernels of
+:mod:`linattn_numba.gpu.kernels` (same algorithm, stabilisers and results as
+``linattn.causal.causal``).
 
 * Arrays reach the kernels zero-copy through ``__cuda_array_interface__``; only
   non-contiguous or broadcast inputs are copied (to C order, by their library).
@@ -44,16 +45,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from linattn_numba import _contract
 from linattn_numba.gpu import blas, target
+from linattn_numba.gpu.arrays import LIBRARIES, Library
 from linattn_numba.gpu.kernels import KEY_STATE, QUERY, TILE, WEIGHTED_QUERY, kernels
 
 __all__ = [
     "DESIGNS",
     "DESIGN_VARIABLE",
-    "LIBRARIES",
     "TF32_VARIABLE",
     "backward",
     "design",
@@ -96,159 +95,6 @@ def design(choice: str | None = None) -> tuple[str, bool]:
 
 
 # --------------------------------------------------------------------------------------
-# Array libraries: how each one is checked, flattened, allocated and handed to numba.
-
-
-class _Library:
-    name = ""
-
-    def is_array(self, x: Any) -> bool:
-        raise NotImplementedError
-
-    def device_id(self, x: Any) -> int | None:
-        """The CUDA device ordinal of ``x``, or ``None`` if it is not on a CUDA device."""
-        raise NotImplementedError
-
-    def prepare(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        """``x`` reshaped to ``shape``, cast to ``dtype``, C-contiguous (copies only if needed)."""
-        raise NotImplementedError
-
-    def copy(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        """A fresh, writable, C-contiguous copy (kernels write into it)."""
-        raise NotImplementedError
-
-    def empty(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        raise NotImplementedError
-
-    def zeros(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        raise NotImplementedError
-
-    def view(self, x: Any) -> Any:
-        """The numba device array seeing ``x``'s memory."""
-        return target.as_device_array(x)
-
-    def stream(self, device: int | None) -> Any:
-        raise NotImplementedError
-
-    def result(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return x.reshape(shape)
-
-
-class _NumPy(_Library):
-    """Host arrays, copied to the device and back (for the simulator and tests)."""
-
-    name = "numpy"
-
-    def is_array(self, x: Any) -> bool:
-        return isinstance(x, np.ndarray)
-
-    def device_id(self, x: Any) -> int | None:
-        return 0
-
-    def prepare(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        return target.to_device(np.ascontiguousarray(np.reshape(x, shape), dtype=dtype))
-
-    def copy(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        return self.prepare(x, shape, dtype)
-
-    def empty(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        return target.device_array(shape, np.dtype(dtype))
-
-    def zeros(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        return target.to_device(np.zeros(shape, dtype=dtype))
-
-    def view(self, x: Any) -> Any:
-        return x
-
-    def stream(self, device: int | None) -> Any:
-        return 0
-
-    def result(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return x.copy_to_host().reshape(shape)
-
-
-class _CuPy(_Library):
-    name = "cupy"
-
-    def is_array(self, x: Any) -> bool:
-        import cupy
-
-        return isinstance(x, cupy.ndarray)
-
-    def device_id(self, x: Any) -> int | None:
-        return int(x.device.id)
-
-    def prepare(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        import cupy
-
-        return cupy.ascontiguousarray(x.reshape(shape), dtype=dtype)
-
-    def copy(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        import cupy
-
-        return cupy.array(x.reshape(shape), dtype=dtype, order="C", copy=True)
-
-    def empty(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        import cupy
-
-        with cupy.cuda.Device(device):
-            return cupy.empty(shape, dtype=dtype)
-
-    def zeros(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        import cupy
-
-        with cupy.cuda.Device(device):
-            return cupy.zeros(shape, dtype=dtype)
-
-    def stream(self, device: int | None) -> Any:
-        import cupy
-
-        with cupy.cuda.Device(device):
-            return target.external_stream(cupy.cuda.get_current_stream().ptr)
-
-
-class _Torch(_Library):
-    name = "torch"
-
-    def is_array(self, x: Any) -> bool:
-        import torch
-
-        return isinstance(x, torch.Tensor)
-
-    def device_id(self, x: Any) -> int | None:
-        return int(x.get_device()) if x.device.type == "cuda" else None
-
-    def _dtype(self, dtype: str) -> Any:
-        import torch
-
-        return getattr(torch, dtype)
-
-    def prepare(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        return x.detach().reshape(shape).to(self._dtype(dtype)).contiguous()
-
-    def copy(self, x: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        return x.detach().reshape(shape).to(self._dtype(dtype), copy=True).contiguous()
-
-    def empty(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        import torch
-
-        return torch.empty(shape, dtype=self._dtype(dtype), device=f"cuda:{device}")
-
-    def zeros(self, shape: tuple[int, ...], dtype: str, device: int | None) -> Any:
-        import torch
-
-        return torch.zeros(shape, dtype=self._dtype(dtype), device=f"cuda:{device}")
-
-    def stream(self, device: int | None) -> Any:
-        import torch
-
-        return target.external_stream(torch.cuda.current_stream(device).cuda_stream)
-
-
-LIBRARIES: dict[str, _Library] = {lib.name: lib for lib in (_NumPy(), _CuPy(), _Torch())}
-
-
-# --------------------------------------------------------------------------------------
 # Validation (before any launch) and launching.
 
 
@@ -256,7 +102,7 @@ LIBRARIES: dict[str, _Library] = {lib.name: lib for lib in (_NumPy(), _CuPy(), _
 class _Problem(_contract.Sizes):
     """One checked call: the contract's sizes, and the library, compute dtype, device."""
 
-    lib: _Library
+    lib: Library
     dtype: str
     device: int
 
@@ -293,7 +139,7 @@ class _Problem(_contract.Sizes):
         return self.lib.result(x, self.shape(role))
 
 
-def _check(lib: _Library, named: dict[str, Any], chunk_size: object) -> _Problem:
+def _check(lib: Library, named: dict[str, Any], chunk_size: object) -> _Problem:
     """Validate a kernel call (:mod:`linattn_numba._contract`, then devices and batch)."""
     _contract.check_arrays(named, lib.is_array, f"a {lib.name} array for the CUDA kernel")
     precision = _contract.check_dtypes(named, FLOAT_NAMES, same=False)
