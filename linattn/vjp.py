@@ -20,6 +20,7 @@ from typing import Any
 from linattn import _dispatch
 from linattn._adjoints import bidirectional_vjp, causal_vjp, normalise_vjp, sum_to
 from linattn._call import (
+    Call,
     attend,
     attention_operands,
     call_statistics,
@@ -28,6 +29,7 @@ from linattn._call import (
 )
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
+from linattn._plan import plan_call
 from linattn._xp import Array, compute_dtype, constant, float_dtype
 from linattn.features import FeatureMap
 from linattn.hybrid import paths
@@ -121,7 +123,11 @@ def linear_attention_vjp(
         head_dim=feature_map.head_dim,
         extra={"grad_output": grad_output},
     )
-    plan = _dispatch.scan_plan(q, feature_map, backend=backend)
+    # The executor linear_attention would run chooses the adjoint (the plan decides once).
+    chosen = plan_call(
+        Call(q, k, v, feature_map, causal, key_mask, chunk_size=chunk_size, backend=backend)
+    )
+    plan = chosen.scan
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)
     batch, lq, dv = info.batch_shape, info.query_length, info.value_dim
@@ -137,7 +143,7 @@ def linear_attention_vjp(
     m = feature_map.num_features
     # The same statistics linear_attention uses; constants for gradients there too.
     statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
-    if not causal and _dispatch.bidirectional_why_not(q, feature_map, backend=backend) is None:
+    if chosen.executor == "fused-bidirectional":
         # The fused passes: the forward's state, then the gradients, no L x m array.
         dq, dk, d_values = _dispatch.fused_bidirectional_vjp(
             q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False)
@@ -148,7 +154,7 @@ def linear_attention_vjp(
             sum_to(xp, dk, tuple(k.shape), k.dtype),
             sum_to(xp, d_values, tuple(v.shape), v.dtype),
         )
-    if causal and plan.fused:
+    if chosen.executor == "fused-causal":
         # The fused causal passes: features recomputed chunk by chunk, no L x m array.
         dq, dk, d_values = _dispatch.fused_causal_vjp(
             q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False),
@@ -218,14 +224,14 @@ def _exact_parts_vjp(
     backend: Backend | None,
     **options: Any,
 ) -> tuple[Array, Array, Array]:
-    """The VJP of hybrid attention: each part's adjoint (:func:`linattn.paths.parts_vjp`)."""
+    """The VJP of hybrid attention: each part's adjoint
+    (:func:`linattn.hybrid.paths.parts_vjp`)."""
     if feature_map is not None and not isinstance(feature_map, FeatureMap):
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap or None; got {type(feature_map).__name__}"
         )
-    plan = _dispatch.scan_plan(q, feature_map, backend=backend)
-    if plan.path == "dask-scan":  # the portable parts run on Dask arrays as they are
-        plan = _dispatch.scan_plan(q, feature_map, backend="array_api")
+    # The far keys' scan as linear_attention's plan runs it (the portable parts on Dask).
+    plan = plan_call(Call(q, k, v, feature_map, backend=backend, **options)).scan
     call = exact_parts_call(
         q,
         k,
