@@ -283,7 +283,8 @@ def causal(
 
 
 def kernel_status() -> dict[str, str]:
-    """Which compiled kernels can run here, and why not where one cannot."""
+    """Which compiled kernels can run here, and why not where one cannot; where the CPU
+    kernels can, how they run (threading layer, compile cache)."""
     status = {}
     try:
         import linattn_numba
@@ -292,6 +293,9 @@ def kernel_status() -> dict[str, str]:
         status["numba-cuda"] = linattn_numba.cuda_status()
     except ImportError as error:
         status["numba-cpu"] = status["numba-cuda"] = f"unavailable: {error}"
+    else:
+        if status["numba-cpu"] == "available":
+            status["numba-cpu"] = f"available; {linattn_numba.cpu_runtime()}"
     return status
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["causal_kernel_for", "cpu_status", "cuda_status"]
+__all__ = ["causal_kernel_for", "cpu_runtime", "cpu_status", "cuda_status"]
 
 Kernel = Callable[..., tuple[Any, ...]]
 
@@ -50,6 +50,13 @@ def cpu_status() -> str:
     except ImportError as error:
         return f"unavailable: {error}; install linattn[numba]"
     return cpu.status()
+
+
+def cpu_runtime() -> str:
+    """How the CPU kernels run here: the threading layer and the compile cache."""
+    from linattn_numba import _machinery
+
+    return _machinery.describe()
 
 
 def cuda_status() -> str:

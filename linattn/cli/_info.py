@@ -110,10 +110,6 @@ def _kernel_report() -> dict[str, str]:
         kernels["numba-cpu"] = "unavailable: numba is not installed; install linattn[numba]"
         kernels["numba-cuda"] = "unavailable: numba is not installed; install linattn[cuda]"
         return kernels
-    machinery = import_optional("linattn_numba._machinery")
-    if kernels.get("numba-cpu") == "available" and machinery is not None:
-        # How the CPU kernels will run here: which threads, and whether they compile anew.
-        kernels["numba-cpu"] = f"available; {machinery.describe()}"
     return kernels
 
 
