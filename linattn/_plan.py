@@ -15,7 +15,8 @@ attend)``) and one line in :data:`EXECUTORS` with its requirement.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import array_api_compat
 import numpy as np
@@ -44,13 +45,14 @@ Result = tuple[Any, LinearAttentionState | None]
 Executor = Callable[[Call, "AttentionPlan", Callable[[Call], Result]], Result]
 
 
-class AttentionPlan(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
     """Who runs one call, why, and why every executor asked before it did not.
 
     Attributes
     ----------
     executor : str
-        The name of the executor that runs the call (a key of :data:`EXECUTORS`).
+        The name of the executor that runs the call (one of ``linattn._plan.EXECUTORS``).
     reason : str
         Why it serves the call.
     rejected : tuple of (str, str)

@@ -1,7 +1,7 @@
 """Which compiled kernel serves which array library: the kernel contract's entry points.
 
 The top of the bindings: NumPy arrays run the CPU pass directly
-(:func:`linattn_numba.cpu.causal.numpy_forward`), torch tensors the custom operators of
+(:func:`linattn_numba.cpu.numpy_forward`), torch tensors the custom operators of
 :mod:`linattn_numba.torch_ops` (imported when the first torch tensor arrives, with
 autograd and ``torch.compile``), CuPy arrays (and NumPy host arrays, for the simulator)
 the CUDA host side (:func:`linattn_numba.gpu.host.forward`).  Every import is inside a
@@ -41,7 +41,7 @@ def cpu_causal_kernel(library: str) -> Callable[..., Any]:
     [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]
 
     Every kernel also takes ``return_log_scale=True`` and then returns ``log_scale``
-    fourth (:func:`linattn_numba.cpu.causal.numpy_forward`).
+    fourth (:func:`linattn_numba.cpu.numpy_forward`).
     """
     if library == "numpy":
         from linattn_numba.cpu.causal import numpy_forward
@@ -54,7 +54,7 @@ def cpu_causal_kernel(library: str) -> Callable[..., Any]:
 
 def cpu_causal_backward_kernel(library: str) -> Callable[..., Any]:
     """The CPU backward kernel for ``library`` (``"numpy"``): see
-    :func:`linattn_numba.cpu.causal.numpy_backward`."""
+    :func:`linattn_numba.cpu.numpy_backward`."""
     if library == "numpy":
         from linattn_numba.cpu.causal import numpy_backward
 
