@@ -135,8 +135,8 @@ def normalise_call(
     >>> import linattn as la
     >>> x = np.zeros((2, 8, 4, 16))
     >>> call = normalise_call(x, x[:, :2], x[:, :2], la.FeatureMap(16, 32))
-    >>> call.k.shape, call.ungroup is not None
-    ((2, 2, 4, 4, 16), True)
+    >>> call.q.shape, call.k.shape, call.ungroup is not None
+    ((2, 2, 4, 4, 16), (2, 2, 1, 4, 16), True)
     """
     q, k, v, key_mask, ungroup = grouped_inputs(q, k, v, key_mask)
     if ungroup is not None and exact_key_mask is not None and exact_key_mask.ndim >= 2:

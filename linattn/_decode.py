@@ -107,7 +107,7 @@ def why_not(
     >>> t = x[:, -1:]
     >>> why_not(t, t, t, fm, None, state, None) is None
     True
-    >>> why_not(x[:, :1], t, t, fm, None, state, None)
+    >>> why_not(t.astype(np.float32), t, t, fm, None, state, None)
     'q, k, v and the state are not of one float dtype'
     """
     kv, log_shift = state.kv, state.log_shift
