@@ -18,7 +18,7 @@ import array_api_compat
 import numpy as np
 
 from linattn import _dispatch
-from linattn._call import check_state, drop_masked_keys, normalise_call, state_arrays
+from linattn._call import Call, check_state, drop_masked_keys, normalise_call, state_arrays
 from linattn._checks import (
     AttentionInputs,
     check_attention_inputs,
@@ -48,23 +48,10 @@ __all__ = [
 DEFAULT_LOOKAHEAD = 8
 
 
-def dask_linear_attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    /,
-    feature_map: FeatureMap,
-    *,
-    causal: bool = False,
-    key_mask: Array | None = None,
-    state: LinearAttentionState | None = None,
-    return_state: bool = False,
-    chunk_size: int | None = None,
-    backend: str | None = None,
-    sub_call: Any,
-) -> Any:
-    """:func:`linattn.distributed.dask_linear_attention`; ``sub_call`` runs one chunk's
-    attention (:func:`linattn._plan.run_call`)."""
+def dask_linear_attention(call: Call, sub_call: Any) -> Any:
+    """:func:`linattn.distributed.dask_linear_attention` of one normalised call;
+    ``sub_call`` runs one chunk's attention (:func:`linattn._plan.run_call`)."""
+    q, k, v, feature_map, causal, key_mask, state, return_state, chunk_size, backend = call[:10]
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"

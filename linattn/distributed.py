@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from linattn import _dask_graph as graph
+from linattn._call import Call
 from linattn._plan import run_call
 from linattn._xp import Array
 from linattn.features import FeatureMap
@@ -255,8 +256,5 @@ def dask_linear_attention(
     >>> bool(np.allclose(state.kv.compute(), last.kv, rtol=1e-12)), state.num_tokens
     (True, 1000)
     """
-    return graph.dask_linear_attention(
-        q, k, v, feature_map, causal=causal, key_mask=key_mask, state=state,
-        return_state=return_state, chunk_size=chunk_size, backend=backend,
-        sub_call=run_call,
-    )  # fmt: skip
+    call = Call(q, k, v, feature_map, causal, key_mask, state, return_state, chunk_size, backend)
+    return graph.dask_linear_attention(call, run_call)

@@ -14,9 +14,5 @@ __all__ = ["run"]
 def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
     """Run ``call`` (see :mod:`linattn.executors`)."""
     assert call.feature_map is not None  # (the front door raised otherwise)
-    result = _dask_graph.dask_linear_attention(
-        call.q, call.k, call.v, call.feature_map, causal=call.causal, key_mask=call.key_mask,
-        state=call.state, return_state=call.return_state, chunk_size=call.chunk_size,
-        backend=call.backend, sub_call=sub_call,
-    )  # fmt: skip
+    result = _dask_graph.dask_linear_attention(call, sub_call)
     return result if call.return_state else (result, None)
