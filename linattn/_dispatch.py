@@ -1,5 +1,8 @@
-"""The one place that decides who runs causal attention: one :class:`Plan` per call.
+"""The kernels' bridge: the path of the causal scan (one :class:`Plan`), and the only
+module that reaches ``linattn_numba``.
 
+Which executor runs a call is :mod:`linattn._plan`'s decision; inside it, the causal
+scan's path is decided here.
 ``backend="auto"`` (or the ``LINATTN_BACKEND`` environment variable) picks a compiled
 Numba kernel when one can serve the arrays and the portable code otherwise;
 ``"numba"`` insists on the kernel, ``"array_api"`` on the portable code, which is the
