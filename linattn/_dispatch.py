@@ -3,6 +3,7 @@ module that reaches ``linattn_numba``.
 
 Which executor runs a call is :mod:`linattn._plan`'s decision; inside it, the causal
 scan's path is decided here.
+
 ``backend="auto"`` (or the ``LINATTN_BACKEND`` environment variable) picks a compiled
 Numba kernel when one can serve the arrays and the portable code otherwise;
 ``"numba"`` insists on the kernel, ``"array_api"`` on the portable code, which is the
