@@ -90,7 +90,11 @@ def _asked_backend(call: Call) -> str:
 
 
 def _numpy(*arrays: Any) -> bool:
-    return all(x is None or type(x) is np.ndarray for x in arrays)
+    return all(type(x) is np.ndarray for x in arrays)
+
+
+def _numpy_or_none(x: Any) -> bool:
+    return x is None or type(x) is np.ndarray
 
 
 # -- the requirements: None where the executor serves the call, else why not -------------
@@ -107,7 +111,7 @@ def _decode_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
         return "a state with sink keys, or no feature map"
     if not (call.return_state is True or call.return_state is False):
         return "return_state is not a bool"
-    if not _numpy(q, k, v, state.kv, state.log_shift, call.key_mask):
+    if not (_numpy(q, k, v, state.kv, state.log_shift) and _numpy_or_none(call.key_mask)):
         return "not NumPy arrays"
     reason = _decode.why_not(q, k, v, fm, call.key_mask, state, call.chunk_size)
     if reason is None and _dispatch.decode_kernel() is None:
