@@ -59,9 +59,12 @@ atexit.register(shutil.rmtree, NUMBA_CACHE_DIR, ignore_errors=True)
 CACHE_ENV = {"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR, "LINATTN_NUMBA_CACHE": "1"}
 #: ``.ci/run`` runs the default set as two nox processes at once, one per tag (CI has two
 #: cores, and most of a session is one busy process: pip, Numba's or XLA's compiler):
-#: ``numba``, these sessions, which compile the kernels, in this order, sharing their run's
-#: compile cache (kernels first, cold); ``arrays``, the other default sessions (no Numba).
-NUMBA_SESSIONS = ("kernels", "cudasim", "ptx", "docs")
+#: ``numba``, the kernels' own sessions (their tests take about as long as all the others
+#: together); ``arrays``, every other default session, in the order of
+#: ``nox.options.sessions``.  Each nox process has its own compile cache (a fresh folder
+#: made when it reads this file), shared by its sessions one after another, never by
+#: two processes at once.
+NUMBA_SESSIONS = ("kernels", "ptx")
 #: Seconds each session of this run took (its commands, not its virtualenv's creation).
 TIMES: dict[str, float] = {}
 
