@@ -59,12 +59,13 @@ atexit.register(shutil.rmtree, NUMBA_CACHE_DIR, ignore_errors=True)
 CACHE_ENV = {"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR, "LINATTN_NUMBA_CACHE": "1"}
 #: ``.ci/run`` runs the default set as two nox processes at once, one per tag (CI has two
 #: cores, and most of a session is one busy process: pip, Numba's or XLA's compiler):
-#: ``numba``, the kernels' own sessions (their tests take about as long as all the others
-#: together); ``arrays``, every other default session, in the order of
-#: ``nox.options.sessions``.  Each nox process has its own compile cache (a fresh folder
-#: made when it reads this file), shared by its sessions one after another, never by
-#: two processes at once.
-NUMBA_SESSIONS = ("kernels", "ptx")
+#: ``numba``, the kernels' own sessions and the docs (which compile the same kernels and
+#: find them in the cache: 4 min warm); ``arrays``, every other default session, in the
+#: order of ``nox.options.sessions``.  Measured on a fresh clone: numba 18 + 1 + 4 min,
+#: arrays 18 min then cudasim 7.  Each nox process has its own compile cache (a fresh
+#: folder made when it reads this file), shared by its sessions one after another, never
+#: by two processes at once.
+NUMBA_SESSIONS = ("kernels", "ptx", "docs")
 #: Seconds each session of this run took (its commands, not its virtualenv's creation).
 TIMES: dict[str, float] = {}
 
