@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-import array_api_compat
 import numpy as np
 
 from linattn import _dispatch
@@ -27,7 +26,7 @@ from linattn._checks import (
     check_statistics_for_causal,
 )
 from linattn._dispatch import DEFAULT_CHUNK_SIZE
-from linattn._xp import Array, Namespace, compute_dtype, constant
+from linattn._xp import Array, Namespace, array_namespace, compute_dtype, constant, is_array
 from linattn.causal import normalise, readout
 from linattn.features import FeatureMap
 from linattn.state import LinearAttentionState, absorb_keys, combine, empty_state
@@ -301,7 +300,7 @@ def prepare(
             raise TypeError(
                 f"{name} must be an array (a Dask array or one Dask can wrap); got None"
             )
-        if not array_api_compat.is_array_api_obj(x):
+        if not is_array(x):
             raise TypeError(
                 f"{name} must be a Dask array (or an array Dask can wrap); got {type(x).__name__}"
             )
@@ -374,7 +373,7 @@ def _layout(
         mask = mask.rechunk({**like_q, nb: k.chunks[nb]})
     # Padding may hold anything (NaN, inf): a masked key's zero weight times a NaN or inf
     # value is still NaN in its chunk state, and inf keys make NaN features; zero both.
-    k, v = drop_masked_keys(array_api_compat.array_namespace(k), k, v, mask)
+    k, v = drop_masked_keys(array_namespace(k), k, v, mask)
     spec = dask.delayed(feature_map, name=f"linattn-feature-map-{feature_map.fingerprint}")
     work = compute_dtype(np, np.dtype(info.dtype))
     return _Inputs(q, k, v, mask, info, work, spec, feature_map.num_features)
@@ -467,7 +466,7 @@ def _chunk_state(k: Array, v: Array, *rest: Array, feature_map: Any, masked: boo
     ``rest`` holds the key mask (if ``masked``), then tokens of tasks to wait for.
     """
     fm = feature_map
-    xp = array_api_compat.array_namespace(k)
+    xp = array_namespace(k)
     log_phi_k, sign_k = fm.signed_log_features(k, role="key")
     if masked:
         log_phi_k = xp.where(rest[0][..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
@@ -483,7 +482,7 @@ def _chunk_state(k: Array, v: Array, *rest: Array, feature_map: Any, masked: boo
 def _bidirectional_block(q: Array, total: Array, *, feature_map: Any) -> Array:
     """Outputs of one query chunk from the state of all keys."""
     fm = feature_map
-    xp = array_api_compat.array_namespace(q)
+    xp = array_namespace(q)
     kv, log_shift = _unpack(total)
     log_phi_q, sign_q = fm.signed_log_features(q, role="query")
     return xp.astype(
@@ -518,12 +517,12 @@ def _done(block: Array) -> None:
 
 
 def _combine_packed(first: Array, second: Array) -> Array:
-    xp = array_api_compat.array_namespace(first)
+    xp = array_namespace(first)
     return _pack(xp, *combine(xp, _unpack(first), _unpack(second)))
 
 
 def _empty_packed(like: Array) -> Array:
-    xp = array_api_compat.array_namespace(like)
+    xp = array_namespace(like)
     kv, log_shift = _unpack(like)
     return _pack(xp, xp.zeros_like(kv), xp.full_like(log_shift, -math.inf))
 

@@ -21,11 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import array_api_compat
-
 from linattn import causal as causal_path
 from linattn._checks import check_chunk_size
-from linattn._xp import Array, Namespace, float_dtype
+from linattn._xp import (
+    Array,
+    Namespace,
+    array_namespace,
+    float_dtype,
+    is_array,
+    is_dask_array,
+    is_jax_array,
+)
 from linattn.features import FeatureMap
 
 __all__ = [
@@ -202,9 +208,9 @@ def causal_plan(
     ...
     TypeError: x must have a real floating dtype (float16, bfloat16, float32 or float64); got int32
     """
-    if not array_api_compat.is_array_api_obj(x):
+    if not is_array(x):
         raise TypeError(f"x must be an array (the queries); got {type(x).__name__}")
-    float_dtype(array_api_compat.array_namespace(x), "x", x)
+    float_dtype(array_namespace(x), "x", x)
     if feature_map is not None and not isinstance(feature_map, FeatureMap):
         raise TypeError(
             f"feature_map must be a linattn.FeatureMap or None; got {type(feature_map).__name__}"
@@ -218,9 +224,9 @@ def scan_plan(
     """:func:`causal_plan` without its argument checks, for calls whose executor checks
     them (and names what is wrong as the front door does)."""
     chosen = resolve_backend(backend)
-    if not array_api_compat.is_array_api_obj(x):  # the executor's checks say what is wrong
+    if not is_array(x):  # the executor's checks say what is wrong
         return Plan("array-api", f"{type(x).__name__} is not an array")
-    if array_api_compat.is_dask_array(x):
+    if is_dask_array(x):
         return Plan("dask-scan", "Dask arrays: a scan of chunk states over the input's chunks")
     if chosen == "array_api":
         reason = "backend='array_api'" + (
@@ -305,7 +311,7 @@ def kernel_status() -> dict[str, str]:
 
 def _portable(x: Array, feature_map: FeatureMap | None, reason: str) -> Plan:
     """The batched chunk pass: the framework's scan on JAX, groups of chunks on eager CPUs."""
-    if array_api_compat.is_jax_array(x):
+    if is_jax_array(x):
         return Plan("jax-scan", f"{reason}; JAX arrays: jax.lax.scan")
     return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x))
 
@@ -637,7 +643,7 @@ def bidirectional_why_not(
         return "the map needs this call's statistics"
     if not fused_map(feature_map):
         return "the fused passes do not compute this map's features"
-    if not array_api_compat.is_array_api_obj(x):
+    if not is_array(x):
         return f"{type(x).__name__} is not an array"
     library = library_of(x)
     if (library == "torch" and x.device.type != "cpu") or library not in ("numpy", "torch"):

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from linattn._xp import Array, Namespace, constant, from_host
+from linattn._xp import Array, Namespace, array_device, constant, from_host
 
 __all__ = ["KIND_SPECS", "FeatureKind", "KindInputs", "MapSizes", "kind_spec"]
 
@@ -130,7 +130,9 @@ class _Exponential(FeatureKind):
             if self.antithetic:
                 energy = np.concatenate([energy, energy])
             x = i.x
-            log_phi = log_phi + i.oprf_a * from_host(xp, energy, dtype=x.dtype, device=_device(x))
+            log_phi = log_phi + i.oprf_a * from_host(
+                xp, energy, dtype=x.dtype, device=array_device(x)
+            )
         return log_phi, None
 
     def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
@@ -269,9 +271,3 @@ def kind_spec(kind: object) -> FeatureKind:
     if not isinstance(kind, str) or kind not in KIND_SPECS:
         raise ValueError(f"kind must be one of {sorted(KIND_SPECS)}; got {kind!r}")
     return KIND_SPECS[kind]
-
-
-def _device(x: Array) -> Any:
-    import array_api_compat
-
-    return array_api_compat.device(x)

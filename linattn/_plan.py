@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import array_api_compat
 import numpy as np
 
 from linattn import _decode, _dispatch
 from linattn._call import Call, normalise_call
+from linattn._xp import is_array, is_dask_array
 from linattn.executors import (
     dask_scan,
     decode,
@@ -121,7 +121,7 @@ def _decode_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
 
 def _dask_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
     """Dask arrays: a graph over their sequence chunks."""
-    if not array_api_compat.is_dask_array(call.q):
+    if not is_dask_array(call.q):
         return "not Dask arrays"
     return "exact parts run portably on Dask arrays" if call.exact_parts else None
 
@@ -298,6 +298,6 @@ def plan_attention(
     ('hybrid-parts', 'array-api')
     """
     call = normalise_call(q, k, v, feature_map, **options)
-    if not array_api_compat.is_array_api_obj(call.q):
+    if not is_array(call.q):
         raise TypeError(f"q must be an array; got {type(call.q).__name__}")
     return plan_call(call)

@@ -2,10 +2,18 @@
 
 Everything here works on any array-API namespace obtained through
 ``array_api_compat``; nothing imports an array library at import time.
+
+The rest of ``linattn`` asks these helpers, never ``array_api_compat`` itself: its type
+and namespace tests are wrapped in ``functools.lru_cache``, and ``torch.compile`` traces
+through such a wrapper with a warning for each one it meets (about twenty per compiled
+call).  The tests here answer torch tensors, and the questions asked of every array
+(which library, which namespace), by plain type checks that Dynamo traces silently, and
+leave every other library to ``array_api_compat``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -18,12 +26,23 @@ Namespace = Any
 __all__ = [
     "Array",
     "Namespace",
+    "array_device",
+    "array_namespace",
     "compute_dtype",
     "constant",
     "device_of",
     "dtype_name",
     "float_dtype",
     "from_host",
+    "is_array",
+    "is_cupy_array",
+    "is_dask_array",
+    "is_dask_namespace",
+    "is_jax_array",
+    "is_jax_namespace",
+    "is_numpy_namespace",
+    "is_torch_array",
+    "is_torch_namespace",
     "is_traced",
     "library_name",
     "namespace_of",
@@ -31,6 +50,85 @@ __all__ = [
     "stop_gradient",
     "to_host",
 ]
+
+
+def _is_instance(x: object, module: str, name: str) -> bool:
+    """``isinstance(x, module.name)`` without importing ``module`` (False if not imported)."""
+    found = sys.modules.get(module)
+    return found is not None and issubclass(type(x), getattr(found, name))
+
+
+def is_torch_array(x: object) -> bool:
+    """True for a torch tensor (and its subclasses: parameters, fake tensors)."""
+    return _is_instance(x, "torch", "Tensor")
+
+
+def is_dask_array(x: object) -> bool:
+    """True for a Dask array."""
+    return _is_instance(x, "dask.array", "Array")
+
+
+def is_cupy_array(x: object) -> bool:
+    """True for a CuPy array."""
+    return _is_instance(x, "cupy", "ndarray")
+
+
+def is_jax_array(x: object) -> bool:
+    """True for a JAX array or tracer (``array_api_compat.is_jax_array``)."""
+    return not is_torch_array(x) and array_api_compat.is_jax_array(x)
+
+
+def is_array(x: object) -> bool:
+    """True for an array of any array-API library (``array_api_compat.is_array_api_obj``)."""
+    if is_torch_array(x):
+        return True
+    if x is None or type(x) in (bool, int, float, complex):
+        return False
+    return array_api_compat.is_array_api_obj(x)
+
+
+def array_namespace(*arrays: Array) -> Namespace:
+    """The array-API namespace of ``arrays`` (``array_api_compat.array_namespace``);
+    ``TypeError`` if they come from different libraries."""
+    if arrays and all(is_torch_array(a) for a in arrays):
+        import array_api_compat.torch as torch_namespace
+
+        return torch_namespace
+    return array_api_compat.array_namespace(*arrays)
+
+
+def array_device(x: Array) -> Any:
+    """The device of ``x`` (``array_api_compat.device``: NumPy's is ``"cpu"``)."""
+    if is_torch_array(x):
+        return x.device
+    return array_api_compat.device(x)
+
+
+def _namespace_is(xp: Namespace, *names: str) -> bool:
+    """True if ``xp`` is one of the modules ``names`` or array-api-compat's wrapper of one."""
+    name: str = xp.__name__
+    compat = array_api_compat.__name__ + "."
+    return name in names or (name.startswith(compat) and name.removeprefix(compat) in names)
+
+
+def is_numpy_namespace(xp: Namespace) -> bool:
+    """True for NumPy or array-api-compat's NumPy namespace."""
+    return _namespace_is(xp, "numpy")
+
+
+def is_torch_namespace(xp: Namespace) -> bool:
+    """True for torch or array-api-compat's torch namespace."""
+    return _namespace_is(xp, "torch")
+
+
+def is_dask_namespace(xp: Namespace) -> bool:
+    """True for ``dask.array`` or array-api-compat's Dask namespace."""
+    return _namespace_is(xp, "dask.array")
+
+
+def is_jax_namespace(xp: Namespace) -> bool:
+    """True for ``jax.numpy`` (JAX's array-API namespace)."""
+    return xp.__name__ in ("jax.numpy", "jax.experimental.array_api")
 
 
 def library_name(x: object) -> str:
@@ -56,14 +154,14 @@ def namespace_of(
     for name, a in arrays.items():
         if a is None and name in optional:
             continue
-        if a is None or not array_api_compat.is_array_api_obj(a):
+        if a is None or not is_array(a):
             raise TypeError(
                 f"{name} must be an array (NumPy, CuPy, PyTorch, JAX, Dask or an "
                 f"array-API array); got {type(a).__name__}"
             )
         present[name] = a
     try:
-        return array_api_compat.array_namespace(*present.values())
+        return array_namespace(*present.values())
     except TypeError:
         kinds = ", ".join(f"{name}: {library_name(a)}" for name, a in present.items())
         raise TypeError(f"all arrays must come from one array library; got {kinds}") from None
@@ -71,7 +169,7 @@ def namespace_of(
 
 def device_of(**arrays: Array | None) -> Any:
     """The one device shared by the named arrays; ``ValueError`` naming them if they differ."""
-    devices = {name: array_api_compat.device(a) for name, a in arrays.items() if a is not None}
+    devices = {name: array_device(a) for name, a in arrays.items() if a is not None}
     # Arrays being traced (JAX under jit or grad) report no device: nothing to compare.
     known = {name: dev for name, dev in devices.items() if dev is not None}
     if not known:
@@ -117,7 +215,7 @@ def dtype_name(dtype: Any) -> str:
 
 def constant(xp: Namespace, value: float, like: Array) -> Array:
     """A 0-d array holding ``value`` with the dtype and device of ``like``."""
-    return xp.asarray(value, dtype=like.dtype, device=array_api_compat.device(like))
+    return xp.asarray(value, dtype=like.dtype, device=array_device(like))
 
 
 def safe_shift(xp: Namespace, shift: Array) -> Array:
@@ -131,12 +229,12 @@ def safe_shift(xp: Namespace, shift: Array) -> Array:
 
 def from_host(xp: Namespace, host: np.ndarray, *, dtype: Any, device: Any) -> Array:
     """Move a NumPy array (drawn on the host) into namespace ``xp`` on ``device``."""
-    if array_api_compat.is_numpy_namespace(xp):
+    if is_numpy_namespace(xp):
         return xp.asarray(host, dtype=dtype)
     # Other libraries may share memory with a NumPy source (and warn on read-only
     # ones): hand them a private copy so nothing can write into the caller's data.
     host = np.array(host, copy=True)
-    if array_api_compat.is_dask_namespace(xp):
+    if is_dask_namespace(xp):
         # Dask's asarray has no device argument; its chunks live on the host.
         return xp.asarray(host, dtype=dtype)
     return xp.asarray(host, dtype=dtype, device=device)
@@ -146,11 +244,11 @@ def to_host(x: Array) -> np.ndarray:
     """A NumPy copy of any array (detached from autograd, moved to the host)."""
     if isinstance(x, np.ndarray):
         return x
-    if array_api_compat.is_torch_array(x):
+    if is_torch_array(x):
         return x.detach().cpu().numpy()
-    if array_api_compat.is_cupy_array(x):
+    if is_cupy_array(x):
         return x.get()
-    if array_api_compat.is_dask_array(x):
+    if is_dask_array(x):
         return np.asarray(x.compute())
     try:
         return np.asarray(x)
@@ -162,18 +260,18 @@ def to_host(x: Array) -> np.ndarray:
 
 def stop_gradient(xp: Namespace, x: Array) -> Array:
     """``x`` as a constant for automatic differentiation (JAX and torch; else ``x``)."""
-    if array_api_compat.is_jax_namespace(xp):
+    if is_jax_namespace(xp):
         import jax
 
         return jax.lax.stop_gradient(x)
-    if array_api_compat.is_torch_namespace(xp):
+    if is_torch_namespace(xp):
         return x.detach()
     return x
 
 
 def is_traced(x: object) -> bool:
     """True for a JAX tracer (a value known only when the traced function runs)."""
-    if not array_api_compat.is_jax_array(x):
+    if not is_jax_array(x):
         return False
     import jax
 

@@ -17,10 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import array_api_compat
 import numpy as np
 
-from linattn._xp import Array, Namespace, constant, stop_gradient, to_host
+from linattn._xp import Array, Namespace, array_namespace, constant, stop_gradient, to_host
 
 __all__ = [
     "QueryKeyStatistics",
@@ -167,7 +166,7 @@ def rebalance_scales(stats: QueryKeyStatistics) -> np.ndarray:
     and ``E|Psi x + Psi^-1 y|^2``, which drives the variance, is smallest.
     """
     psi, _ = statistics_from_moments(
-        array_api_compat.array_namespace(stats.query_mean),
+        array_namespace(stats.query_mean),
         np.stack(stats._arrays()),
         rebalance=True,
         oprf=False,

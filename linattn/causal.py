@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from linattn._xp import Array, Namespace, constant, from_host, safe_shift
+from linattn._xp import Array, Namespace, array_device, constant, from_host, safe_shift
 from linattn.scan import exclusive, inclusive_scan
 from linattn.state import absorb_keys, combine, empty_state
 
@@ -203,7 +203,7 @@ class ChunkBlocks(NamedTuple):
             xp,
             np.tril(np.ones((size, size), dtype=bool)),
             dtype=xp.bool,
-            device=_device(log_phi_q),
+            device=array_device(log_phi_q),
         )
         return cls(operands, lower, length)
 
@@ -262,7 +262,9 @@ class ChunkBlocks(NamedTuple):
 def _blocked(xp: Namespace, x: Array, count: int, size: int, fill: float) -> Array:
     pad = count * size - x.shape[-2]
     if pad:
-        tail = xp.full((*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=_device(x))
+        tail = xp.full(
+            (*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=array_device(x)
+        )
         x = xp.concat([x, tail], axis=-2)
     return xp.reshape(x, (*x.shape[:-2], count, size, x.shape[-1]))
 
@@ -345,9 +347,3 @@ def normalise(xp: Namespace, outputs_aug: Array) -> Array:
     den = outputs_aug[..., -1:]
     one = constant(xp, 1.0, den)
     return outputs_aug[..., :-1] / xp.where(den == 0, one, den)
-
-
-def _device(x: Array) -> object:
-    import array_api_compat
-
-    return array_api_compat.device(x)

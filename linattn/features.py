@@ -15,7 +15,6 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import array_api_compat
 import numpy as np
 
 from linattn._checks import (
@@ -27,10 +26,14 @@ from linattn._checks import (
 from linattn._kinds import KIND_SPECS, FeatureKind, KindInputs, kind_spec
 from linattn._xp import (
     Array,
+    array_device,
+    array_namespace,
     compute_dtype,
     constant,
     float_dtype,
     from_host,
+    is_array,
+    is_jax_array,
     namespace_of,
     to_host,
 )
@@ -316,7 +319,7 @@ class FeatureMap:
             raise ValueError(
                 f"kind must be a random feature kind to adopt a projection; got {kind!r}"
             )
-        host = to_host(matrix) if array_api_compat.is_array_api_obj(matrix) else matrix
+        host = to_host(matrix) if is_array(matrix) else matrix
         host = np.asarray(host)
         if host.ndim != 2 or 0 in host.shape:
             raise ValueError(
@@ -455,7 +458,7 @@ class FeatureMap:
                 "non-finite (NaN, inf or overflowing values in the inputs)"
             )
         psi, a = statistics_from_moments(
-            array_api_compat.array_namespace(moments),
+            array_namespace(moments),
             moments,
             rebalance=self.rebalance,
             oprf=self._spec.oprf,
@@ -552,7 +555,7 @@ class FeatureMap:
         (2, 8)
         """
         log_phi, sign = self.signed_log_features(x, role=role)
-        xp = array_api_compat.array_namespace(log_phi)
+        xp = array_namespace(log_phi)
         phi = xp.exp(log_phi)
         return phi if sign is None else sign * phi
 
@@ -695,7 +698,7 @@ class FeatureMap:
 
     def _projection_like(self, xp: Any, x: Array) -> Array:
         assert self._projection is not None
-        return from_host(xp, self._projection, dtype=x.dtype, device=array_api_compat.device(x))
+        return from_host(xp, self._projection, dtype=x.dtype, device=array_device(x))
 
 
 def overflow_limit(xp: Any, dtype: Any, head_dim: int) -> float:
@@ -712,13 +715,13 @@ def overflow_limit(xp: Any, dtype: Any, head_dim: int) -> float:
 def _like(xp: Any, values: Any, x: Array) -> Array:
     """Host (NumPy) statistics moved to ``x``'s namespace; device ones cast to its dtype."""
     if isinstance(values, np.ndarray):
-        return from_host(xp, values, dtype=x.dtype, device=array_api_compat.device(x))
+        return from_host(xp, values, dtype=x.dtype, device=array_device(x))
     return xp.astype(values, x.dtype)
 
 
 def _refuse_traced(name: str, x: Array) -> None:
     """``calibrate`` fixes statistics on the host: a traced array has no value yet."""
-    if array_api_compat.is_jax_array(x):
+    if is_jax_array(x):
         import jax
 
         if isinstance(x, jax.core.Tracer):
@@ -768,7 +771,7 @@ def _check_oprf_a(oprf_a: object, kind: str) -> float:
 
 
 def _check_rebalance_scales(scales: Any, head_dim: int) -> np.ndarray:
-    host = to_host(scales) if array_api_compat.is_array_api_obj(scales) else np.asarray(scales)
+    host = to_host(scales) if is_array(scales) else np.asarray(scales)
     if host.dtype.kind not in "iuf":
         raise TypeError(
             f"rebalance_scales must be {head_dim} real numbers; got dtype {host.dtype}"

@@ -18,9 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import array_api_compat
-
-from linattn._xp import Array, Namespace
+from linattn._xp import Array, Namespace, array_device, is_jax_namespace
 from linattn.state import combine
 
 __all__ = ["exclusive", "inclusive_scan"]
@@ -47,7 +45,7 @@ def inclusive_scan(
     >>> (np.exp(m)[..., None] * s).ravel()  # 1, 1 + 1, 1 + 1 + 1
     array([1., 2., 3.])
     """
-    if array_api_compat.is_jax_namespace(xp):
+    if is_jax_namespace(xp):
         return _jax_scan(xp, kv, log_shift, reverse)
     n = kv.shape[-3]
     if reverse:
@@ -79,7 +77,7 @@ def _shifted(xp: Namespace, x: Array, offset: int, *, axis: int, fill: float) ->
     n = x.shape[axis]
     head_shape = list(x.shape)
     head_shape[axis] = min(offset, n)
-    head = xp.full(tuple(head_shape), fill, dtype=x.dtype, device=array_api_compat.device(x))
+    head = xp.full(tuple(head_shape), fill, dtype=x.dtype, device=array_device(x))
     if offset >= n:
         return head
     index = [slice(None)] * x.ndim

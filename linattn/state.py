@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import array_api_compat
-
-from linattn._xp import Array, Namespace, safe_shift
+from linattn._xp import Array, Namespace, array_device, safe_shift
 
 __all__ = ["LinearAttentionState", "absorb_keys", "combine", "empty_state"]
 
@@ -85,7 +83,7 @@ def empty_state(
     xp: Namespace, batch_shape: tuple[int, ...], num_features: int, value_dim: int, like: Array
 ) -> tuple[Array, Array]:
     """``(S, mu)`` of an empty prefix: zeros and ``-inf``, dtype and device of ``like``."""
-    device = array_api_compat.device(like)
+    device = array_device(like)
     kv = xp.zeros((*batch_shape, num_features, value_dim + 1), dtype=like.dtype, device=device)
     log_shift = xp.full(
         (*batch_shape, num_features), -float("inf"), dtype=like.dtype, device=device

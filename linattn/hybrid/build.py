@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import array_api_compat
 import numpy as np
 
 from linattn import _dispatch
-from linattn._xp import Array, Namespace, is_traced
+from linattn._xp import Array, Namespace, array_device, is_dask_array, is_traced
 from linattn.hybrid.parts import ExactKeysPart, FarPart, Part, WindowPart, no_keys, zero_rows
 from linattn.state import empty_state
 
@@ -114,7 +113,7 @@ def _pad_keys(xp: Namespace, x: Array, before: int, after: int) -> Array:
     """``x`` with ``before`` and ``after`` zero rows (``False`` for a keep array)."""
     if x.dtype == xp.bool:
         shape = tuple(x.shape[:-1])
-        device = array_api_compat.device(x)
+        device = array_device(x)
         pieces = [no_keys(xp, (*shape, before), device), x, no_keys(xp, (*shape, after), device)]
         return xp.concat([p for p in pieces if p.shape[-1]], axis=-1)
     shape = tuple(x.shape[:-2])
@@ -160,7 +159,7 @@ def causal_parts(
     """
     length, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
     batch = tuple(q.shape[:-2])
-    device = array_api_compat.device(q)
+    device = array_device(q)
     w, s = parts.lag, parts.sink_keys
     n = 0 if state is None else state.num_tokens
     recent = None if state is None else state.recent
@@ -252,7 +251,7 @@ def _updated_sinks(
     state's ``num_tokens`` is a traced value.
     """
     batch, length = tuple(k.shape[:-2]), k.shape[-2]
-    device = array_api_compat.device(k)
+    device = array_device(k)
     index = _positions(xp, 0, s, device)
     index = index - (int(n) if isinstance(n, int | np.integer) else xp.astype(n, index.dtype))
     arrived = xp.logical_and(index >= 0, index < length)
@@ -299,7 +298,7 @@ def bidirectional_parts(
     """
     length = q.shape[-2]
     batch = tuple(q.shape[:-2])
-    device = array_api_compat.device(q)
+    device = array_device(q)
     w, s = parts.lag, parts.sink_keys
     exact = _positions(xp, 0, length, device) < s
     if parts.exact_key_mask is not None:
@@ -370,7 +369,7 @@ def _exact_keys_part(
     count = _static_count(xp, chosen, length)
     rank = xp.argsort(xp.astype(xp.logical_not(chosen), xp.int8), axis=-1, stable=True)
     rank = rank[..., :count]
-    where_from = rank[..., :, None] == xp.arange(length, device=array_api_compat.device(k))
+    where_from = rank[..., :, None] == xp.arange(length, device=array_device(k))
     select = xp.astype(where_from, k.dtype)  # (..., E, L)
     kept = xp.any(xp.logical_and(where_from, chosen[..., None, :]), axis=-1)
     visible = xp.broadcast_to(kept[..., None, :], (*kept.shape[:-1], length, count))
@@ -386,7 +385,7 @@ def _exact_keys_part(
 
 def _static_count(xp: Namespace, chosen: Array, length: int) -> int:
     """The largest number of chosen keys in a row, or ``length`` when it is not known."""
-    if is_traced(chosen) or array_api_compat.is_dask_array(chosen):
+    if is_traced(chosen) or is_dask_array(chosen):
         return length
     try:
         return max(1, int(xp.max(xp.sum(xp.astype(chosen, xp.int32), axis=-1))))

@@ -10,11 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import array_api_compat
 import numpy as np
 
 from linattn import _dispatch
-from linattn._xp import Array, Namespace, constant, from_host, safe_shift
+from linattn._xp import Array, Namespace, array_device, constant, from_host, safe_shift
 
 __all__ = [
     "MIN_BAND_BLOCK",
@@ -110,7 +109,7 @@ class Band:
         size = max(span, MIN_BAND_BLOCK)
         count = -(-length // size)
         total = (count + 1) * size
-        device = array_api_compat.device(q)
+        device = array_device(q)
 
         def pairs(x: Array) -> Array:  # each block with the next: (..., N, 2B, .)
             x = blocked(xp, x, total, size, 0.0 if x.dtype != xp.bool else False)
@@ -152,7 +151,7 @@ class Band:
             pad = xp.zeros(
                 (*flat.shape[:-2], need - flat.shape[-2], flat.shape[-1]),
                 dtype=flat.dtype,
-                device=array_api_compat.device(flat),
+                device=array_device(flat),
             )
             flat = xp.concat([flat, pad], axis=-2)
         return xp.concat([xp.zeros_like(flat[..., :1, :]), flat], axis=-2)
@@ -166,7 +165,7 @@ def blocked(xp: Namespace, x: Array, total: int, size: int, fill: float | bool) 
     """Rows ``(..., n, .)`` padded with ``fill`` or cut to ``total``, as blocks of ``size``."""
     pad = total - x.shape[-2]
     if pad > 0:
-        device = array_api_compat.device(x)
+        device = array_device(x)
         tail = xp.full((*x.shape[:-2], pad, x.shape[-1]), fill, dtype=x.dtype, device=device)
         x = xp.concat([x, tail], axis=-2)
     elif pad < 0:

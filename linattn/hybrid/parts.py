@@ -8,12 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import array_api_compat
-
 from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._adjoints import bidirectional_vjp, causal_vjp
-from linattn._xp import Array, Namespace, constant
+from linattn._xp import Array, Namespace, array_device, constant
 from linattn.hybrid.merge import (
     Band,
     Partial,
@@ -158,7 +156,7 @@ class FarPart(Part):
                 lead = (
                     zero_rows(xp, (*batch, self.lag, k.shape[-1]), k),
                     zero_rows(xp, (*batch, self.lag, v.shape[-1]), v),
-                    no_keys(xp, (*batch, self.lag), array_api_compat.device(k)),
+                    no_keys(xp, (*batch, self.lag), array_device(k)),
                 )
             else:
                 lead = self.lead
@@ -291,7 +289,7 @@ class FarPart(Part):
 
 
 def zero_rows(xp: Namespace, shape: tuple[int, ...], like: Array) -> Array:
-    return xp.zeros(shape, dtype=like.dtype, device=array_api_compat.device(like))
+    return xp.zeros(shape, dtype=like.dtype, device=array_device(like))
 
 
 def no_keys(xp: Namespace, shape: tuple[int, ...], device: Any) -> Array:
