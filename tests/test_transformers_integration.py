@@ -15,6 +15,7 @@ from linattn.integrations.transformers import (  # noqa: E402
     LinearAttentionCache,
     key_mask_from,
     register,
+    special_keys,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -47,7 +48,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _outputs(model: torch.nn.Module, implementation: str, num_features: int = 256, **options):
+def _outputs(
+    model: torch.nn.Module, implementation: str, num_features: int | None = 256, **options
+):
     register(num_features=num_features, **options)
     model.set_attn_implementation(implementation)
     ids, mask = _batch()
@@ -72,24 +75,106 @@ def test_random_features_estimate_eager(make) -> None:  # type: ignore[no-untype
 
 
 @pytest.mark.skipif(not HAS_WINDOW, reason="needs linear_attention(window=) (the hybrid)")
-@pytest.mark.parametrize("make", [_gpt2, _bert])
-def test_a_window_covering_the_sequence_is_eager(make) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("make", "num_features"), [(_gpt2, 16), (_bert, 16), (_bert, None)]
+)  # fmt: skip
+def test_a_window_covering_the_sequence_is_eager(make, num_features) -> None:  # type: ignore[no-untyped-def]
     model = make()
     exact = _outputs(model, "eager")
-    out = _outputs(model, "linattn", 16, window=4 * L)
+    out = _outputs(model, "linattn", num_features, window=4 * L)
     torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-6)
 
 
-def test_generation_with_the_cache_equals_recomputation() -> None:
+# -- exact keys and no feature map: against the attention computed directly -----------
+
+
+def _first_and_last(mask: np.ndarray) -> np.ndarray:
+    """NumPy's own ``(B, L)`` first and last real token of each row."""
+    exact = np.zeros(mask.shape, dtype=bool)
+    for row, keep in enumerate(mask):
+        real = np.flatnonzero(keep)
+        exact[row, [real[0], real[-1]]] = True
+    return exact
+
+
+def _first(mask: torch.Tensor) -> torch.Tensor:
+    """A user's rule: position 0 only."""
+    return (torch.arange(mask.shape[-1]) == 0) & mask
+
+
+def _reference(options: dict, exact: np.ndarray):  # type: ignore[no-untyped-def]
+    """An attention implementation computing each layer's attention outside the integration:
+    a dense masked softmax without a feature map, ``linear_attention`` with the layer's map
+    (the one the linattn run drew) with one."""
+    key_mask = torch.from_numpy(_batch()[1].numpy().astype(bool))[:, None]  # (B, 1, L)
+    exact_mask = torch.from_numpy(exact)[:, None]
+
+    def attention(module, q, k, v, attention_mask, scaling=None, **kwargs):  # type: ignore[no-untyped-def]
+        if options["num_features"] is None:
+            position = torch.arange(L)
+            allowed = (position[:, None] - position[None, :]).abs() < options["window"]
+            allowed = allowed | (position < options["sink_keys"]) | exact_mask[..., None, :]
+            allowed = allowed & key_mask[..., None, :]  # (B, 1, L, L)
+            scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, -torch.inf)
+            out = scores.softmax(-1) @ v
+        else:
+            feature_map = module.__dict__["_linattn_feature_map"][1]
+            out = la.linear_attention(
+                q, k, v, feature_map, key_mask=key_mask, window=options["window"],
+                sink_keys=options["sink_keys"], exact_key_mask=exact_mask,
+            )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+@pytest.mark.skipif(not HAS_WINDOW, reason="needs linear_attention(window=) (the hybrid)")
+@pytest.mark.parametrize(
+    ("num_features", "exact_keys", "through"),
+    [(None, "special", "register"), (16, "special", "config"), (None, _first, "config")],
+)
+def test_exact_keys_and_no_feature_map_equal_the_direct_call(
+    num_features: int | None, exact_keys: object, through: str
+) -> None:
+    options = {"num_features": num_features, "window": 3, "sink_keys": 1}
+    model = _bert()
+    if through == "config":
+        model.config.linattn = {**options, "exact_keys": exact_keys}
+        out = _outputs(model, "linattn")
+    else:
+        out = _outputs(model, "linattn", **options, exact_keys=exact_keys)
+    mask = _batch()[1].numpy().astype(bool)
+    exact = _first_and_last(mask) if exact_keys == "special" else mask & (np.arange(L) == 0)
+    transformers.AttentionInterface.register("reference", _reference(options, exact))
+    model.config.linattn = None
+    model.set_attn_implementation("reference")
+    ids, attention_mask = _batch()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=attention_mask).last_hidden_state[mask]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_special_keys_with_left_padding_and_none() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0]], dtype=torch.bool)
+    np.testing.assert_array_equal(
+        special_keys(mask).numpy(), [[0, 0, 1, 0, 1], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0]]
+    )
+
+
+@pytest.mark.parametrize(
+    "options", [{"num_features": 64}, {"num_features": None, "window": 3, "sink_keys": 1}]
+)
+def test_generation_with_the_cache_equals_recomputation(options: dict) -> None:
     model = _gpt2()
-    register(num_features=64)
+    register(**options)
     model.set_attn_implementation("linattn")
     prompt = _batch()[0][:1]
     cache = LinearAttentionCache()
     generated = model.generate(
         prompt, max_new_tokens=6, do_sample=False, past_key_values=cache, pad_token_id=0
     )
-    assert cache.layers[0].state.kv.shape[-2:] == (64, 17)  # m features, d + 1
+    if options["num_features"]:
+        assert cache.layers[0].state.kv.shape[-2:] == (64, 17)  # m features, d + 1
     tokens = prompt
     with torch.no_grad():
         for _ in range(6):  # no cache: the whole prefix every step
@@ -122,6 +207,42 @@ def test_config_options_override_register() -> None:
     _outputs(model, "linattn", 256)
     fm = model.encoder.layer[0].attention.self._linattn_feature_map[1]
     assert fm.num_features == 32
+
+
+REFUSED = [
+    ({"num_features": 0}, ValueError, "register: num_features must be a positive integer, or"),
+    ({"num_features": True}, ValueError, "num_features must be a positive integer"),
+    ({"num_features": None}, ValueError, "needs window, sink_keys or exact_keys"),
+    ({"num_features": None, "window": 4, "kind": "positive"}, ValueError, "is a feature map's"),
+    ({"kind": "gaussian"}, ValueError, "register: kind must be None or one of"),
+    ({"window": 0}, ValueError, "register: window must be a positive integer or None; got 0"),
+    ({"sink_keys": -1}, ValueError, "register: sink_keys must be a non-negative integer"),
+    ({"exact_keys": "cls"}, TypeError, "register: exact_keys must be None, 'special' .*'cls'"),
+    ({"exact_key_mask": 1}, TypeError, r"register takes num_features, .*\['exact_key_mask'\]"),
+]
+
+
+@pytest.mark.parametrize(("options", "error", "message"), REFUSED)
+def test_invalid_options_are_refused_by_register(options: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        register(**options)
+
+
+def test_invalid_config_options_are_refused_at_the_call() -> None:
+    model = _bert()
+    model.config.linattn = {"num_features": None}
+    with pytest.raises(ValueError, match=r"config\.linattn: num_features=None"):
+        _outputs(model, "linattn")
+    model.config.linattn = {"exact_keys": lambda mask: mask[:, :-1]}
+    with pytest.raises(
+        ValueError, match=r"exact_keys \(a callable\) must return a boolean .*\(2, 12\)"
+    ):
+        _outputs(model, "linattn")
+
+
+def test_exact_keys_in_a_decoder_are_refused() -> None:
+    with pytest.raises(ValueError, match="exact_keys='special' is for bidirectional attention"):
+        _outputs(_gpt2(), "linattn", exact_keys="special", sink_keys=1)
 
 
 # -- the mask converter ---------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 :func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface``.
 It borrows SDPA's mask function, so the attention receives a boolean 4-D mask (or None
-for a plain causal one), accepted when it is padding, optionally causal, only.
+for a plain causal one), accepted when it is padding, optionally causal, only.  Every
+option of :func:`linattn.linear_attention` is reachable: random features, no feature map
+(``num_features=None``: exact window and sinks), the window/sink hybrid, and exact keys
+derived per row from the mask (``exact_keys="special"``: ``[CLS]`` and ``[SEP]``).
 :class:`LinearAttentionCache` holds one
 :class:`linattn.LinearAttentionState` per layer and passes only the new tokens on.
 """
@@ -10,38 +13,76 @@ for a plain causal one), accepted when it is padding, optionally causal, only.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from linattn._call import hybrid_options
 from linattn._gqa import grouped
 from linattn.attention import linear_attention
-from linattn.features import SOFTMAX_KINDS, FeatureMap
+from linattn.features import KINDS, SOFTMAX_KINDS, FeatureMap
+from linattn.hybrid.build import check_exact_parts
 from linattn.state import LinearAttentionState
 
-__all__ = ["NAME", "LinearAttentionCache", "attention_forward", "register"]
+__all__ = [
+    "DEFAULTS",
+    "NAME",
+    "LinearAttentionCache",
+    "attention_forward",
+    "check_options",
+    "register",
+    "special_keys",
+]
 
 NAME = "linattn"
-#: Defaults set by :func:`register`; a model's ``config.linattn`` (a dict) overrides them.
-_options: dict[str, Any] = {"num_features": 256, "kind": None, "seed": 0}
+#: The options and their defaults; :func:`register` sets them for every model, a model's
+#: ``config.linattn`` (a dict) overrides them per model.
+DEFAULTS: dict[str, Any] = {
+    "num_features": 256,
+    "kind": None,
+    "seed": 0,
+    "window": None,
+    "sink_keys": 0,
+    "exact_keys": None,
+}
+_options: dict[str, Any] = dict(DEFAULTS)
 #: The cache layer the current thread's attention call belongs to (set by its update).
 _active = threading.local()
+
+ExactKeys = Callable[[torch.Tensor], torch.Tensor]
 
 
 def register(**options: Any) -> None:
     """Make ``attn_implementation="linattn"`` available to every transformers model.
 
+    Each call sets every option: those not given return to their defaults.
+
     Parameters
     ----------
     **options
-        ``num_features`` (256), ``kind`` (``"hyperbolic"`` for decoders,
-        ``"hyperbolic_oprf"`` with per-call statistics for encoders), ``seed`` (0),
-        ``window`` and ``sink_keys`` (the window/sink hybrid).  A model's
-        ``config.linattn = {...}`` overrides them per model.
+        ``num_features`` (256): random features per head, or ``None`` for no feature
+        map (exact attention to the window, the sinks and the exact keys only: keys
+        beyond them are dropped, not estimated).  ``kind`` (``"hyperbolic"`` for
+        decoders, ``"hyperbolic_oprf"`` with per-call statistics for encoders), ``seed``
+        (0; layer ``l`` draws with ``seed + l``).  ``window`` (None) and ``sink_keys``
+        (0): the window/sink hybrid (``linattn.linear_attention``).  ``exact_keys``
+        (None): keys every query attends exactly, bidirectional models only:
+        ``"special"`` for each row's first and last real token (``[CLS]`` and ``[SEP]``
+        in BERT models, found from the attention mask), or a callable taking the
+        ``(B, L_k)`` boolean key mask (True for real tokens; all True without padding)
+        and returning a ``(B, L_k)`` boolean tensor (True for the exact keys).  A
+        model's ``config.linattn = {...}`` overrides them per model.
+
+    Raises
+    ------
+    TypeError
+        An unknown option.
+    ValueError
+        An option's value (see :func:`check_options`).
 
     Examples
     --------
@@ -50,18 +91,100 @@ def register(**options: Any) -> None:
     >>> from transformers import AttentionInterface
     >>> "linattn" in AttentionInterface._global_mapping
     True
+
+    The default ``docs/estimators.md`` supports for all-MiniLM-L6-v2: exact attention to
+    a window of 64, position 0 as a sink and ``[CLS]`` / ``[SEP]``, no feature map:
+
+    >>> register(num_features=None, window=64, sink_keys=1, exact_keys="special")
     """
-    unknown = set(options) - {"num_features", "kind", "seed", "window", "sink_keys"}
-    if unknown:
-        raise TypeError(
-            f"register takes num_features, kind, seed, window, sink_keys; got {sorted(unknown)}"
-        )
-    hybrid_options(window=options.get("window"), sink_keys=options.get("sink_keys", 0))
-    _options.update(options)
+    settings = check_options({**DEFAULTS, **options}, "register", given=options)
+    _options.clear()
+    _options.update(settings)
     AttentionInterface.register(NAME, attention_forward)
     # Without a mask function of its own an implementation gets no mask at all; SDPA's
     # boolean 4-D masks (None where causality alone says it all) are converted below.
     AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def check_options(
+    settings: Mapping[str, Any], where: str, *, given: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``settings`` (every option), checked; errors name ``where`` they came from.
+
+    Parameters
+    ----------
+    settings : mapping
+        Every option of :data:`DEFAULTS`, with its value.
+    where : str
+        ``"register"`` or ``"config.linattn"``, for the messages.
+    given : mapping, optional
+        The options the user gave (default ``settings``): only their names are checked
+        against the known ones.
+
+    Returns
+    -------
+    dict
+        ``settings`` as a new dict.
+
+    Raises
+    ------
+    TypeError
+        An unknown option, or ``exact_keys`` neither None, ``"special"`` nor callable.
+    ValueError
+        ``num_features`` neither a positive integer nor None; ``num_features=None``
+        without ``window``, ``sink_keys`` or ``exact_keys`` (nothing left to attend), or
+        with ``kind``; an unknown ``kind``; ``window`` or ``sink_keys`` that
+        ``linattn.linear_attention`` refuses.
+
+    Examples
+    --------
+    >>> from linattn.integrations.transformers import DEFAULTS, check_options
+    >>> check_options({**DEFAULTS, "num_features": None}, "register")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: register: num_features=None (no feature map) needs window, sink_keys or ...
+    >>> check_options({**DEFAULTS, "num_features": None, "window": 64}, "register")["window"]
+    64
+    """
+    unknown = set(settings if given is None else given) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"{where} takes {', '.join(DEFAULTS)}; got {sorted(unknown)}")
+    settings = dict(settings)
+    features, kind, exact_keys = settings["num_features"], settings["kind"], settings["exact_keys"]
+    if features is not None and (
+        isinstance(features, bool) or not isinstance(features, int | np.integer) or features < 1
+    ):
+        raise ValueError(
+            f"{where}: num_features must be a positive integer, or None for no feature map "
+            f"(exact window, sinks and exact keys only); got {features!r}"
+        )
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"{where}: kind must be None or one of {sorted(KINDS)}; got {kind!r}")
+    if not (exact_keys is None or exact_keys == "special" or callable(exact_keys)):
+        raise TypeError(
+            f"{where}: exact_keys must be None, 'special' (each row's first and last real "
+            f"token: [CLS] and [SEP]) or a callable (B, L_k) key mask -> (B, L_k) boolean "
+            f"tensor; got {exact_keys!r}"
+        )
+    try:  # the front door's own check of the hybrid's options, on no keys
+        check_exact_parts(
+            settings["window"], settings["sink_keys"], None, xp=np, causal=False,
+            state=None, query_length=0, key_length=0, k=np.empty((0, 1)),
+        )  # fmt: skip
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    if features is None:
+        if settings["window"] is None and not settings["sink_keys"] and exact_keys is None:
+            raise ValueError(
+                f"{where}: num_features=None (no feature map) needs window, sink_keys or "
+                "exact_keys (the keys attended exactly); got none of them"
+            )
+        if kind is not None:
+            raise ValueError(
+                f"{where}: kind={kind!r} is a feature map's, and num_features=None asks for "
+                "none; give num_features, or leave kind out"
+            )
+    return settings
 
 
 def attention_forward(
@@ -84,6 +207,7 @@ def attention_forward(
         )
     if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         raise ValueError("linattn cannot apply position biases or softcapping; got one")
+    settings = _settings(module)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     layer = getattr(_active, "layer", None)
     _active.layer = None
@@ -98,38 +222,57 @@ def attention_forward(
         # The mask covers the cached keys too; the state already holds them, masked.
         attention_mask = attention_mask[..., -key.shape[-2] :]
     key_mask, mask_causal = key_mask_from(attention_mask, query.shape[-2], key.shape[-2])
-    causal = causal or mask_causal
-    feature_map = _feature_map(module, query.shape[-1], scaling, causal)
-    q, k, v, key_mask, ungroup = grouped(query, key, value, key_mask)
-    options = {
-        name: _settings(module)[name]
-        for name in ("window", "sink_keys")
-        if name in _settings(module)
+    causal = causal or mask_causal or layer is not None
+    exact_key_mask = _exact_keys(settings, key_mask, key, causal, module)
+    feature_map = _feature_map(module, settings, query.shape[-1], scaling, causal)
+    q, k, v, grouped_mask, ungroup = grouped(query, key, value, key_mask)
+    if exact_key_mask is not None:  # shaped like the key mask, grouped alike
+        exact_key_mask = grouped(query, key, value, exact_key_mask)[3]
+    options: dict[str, Any] = {
+        "window": settings["window"],
+        "sink_keys": settings["sink_keys"],
+        "exact_key_mask": exact_key_mask,
+        "scale": scaling if feature_map is None else None,
     }
     with torch.autocast(query.device.type, enabled=False):
         if layer is not None:
             out, layer.state = linear_attention(
-                q,
-                k,
-                v,
-                feature_map,
-                causal=True,
-                key_mask=key_mask,
-                state=layer.state,
-                return_state=True,
-                **hybrid_options(**options),
-            )
+                q, k, v, feature_map, causal=True, key_mask=grouped_mask, state=layer.state,
+                return_state=True, **options,
+            )  # fmt: skip
         else:
             out = linear_attention(
-                q,
-                k,
-                v,
-                feature_map,
-                causal=causal,
-                key_mask=key_mask,
-                **hybrid_options(**options),
+                q, k, v, feature_map, causal=causal, key_mask=grouped_mask, **options
             )
     return ungroup(out).transpose(1, 2).contiguous(), None
+
+
+def special_keys(key_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first and last real token (``[CLS]`` and ``[SEP]`` in BERT models).
+
+    Parameters
+    ----------
+    key_mask : boolean tensor, shape ``(..., L_k)``
+        True for real tokens; padding may be on either side.
+
+    Returns
+    -------
+    boolean tensor, shape ``(..., L_k)``
+        True at the first and the last True of each row (none in a row without one).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from linattn.integrations.transformers import special_keys
+    >>> special_keys(torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)).int()
+    tensor([[1, 0, 0, 1],
+            [0, 1, 1, 0]], dtype=torch.int32)
+    """
+    length = key_mask.shape[-1]
+    positions = torch.arange(length, device=key_mask.device)
+    first = torch.where(key_mask, positions, length).amin(dim=-1, keepdim=True)
+    last = torch.where(key_mask, positions, -1).amax(dim=-1, keepdim=True)
+    return ((positions == first) | (positions == last)) & key_mask
 
 
 def key_mask_from(
@@ -228,19 +371,74 @@ class LinearAttentionCache(Cache):
 
 
 def _settings(module: torch.nn.Module) -> dict[str, Any]:
+    """The options for ``module``'s model: :func:`register`'s, then ``config.linattn``'s."""
     config = getattr(module, "config", None)
-    return {**_options, **dict(getattr(config, "linattn", None) or {})}
+    overrides = dict(getattr(config, "linattn", None) or {})
+    if not overrides:
+        return _options
+    return check_options({**_options, **overrides}, "config.linattn", given=overrides)
+
+
+def _exact_keys(
+    settings: dict[str, Any],
+    key_mask: torch.Tensor | None,
+    key: torch.Tensor,
+    causal: bool,
+    module: torch.nn.Module,
+) -> torch.Tensor | None:
+    """The ``exact_key_mask`` the ``exact_keys`` option asks for, shaped like ``key_mask``."""
+    rule = settings["exact_keys"]
+    if rule is None:
+        return None
+    if causal:
+        raise ValueError(
+            f"exact_keys={rule!r} is for bidirectional attention (encoders such as BERT): "
+            "a causal query's exact keys are its window and the sinks (use sink_keys); got "
+            f"a causal call in {type(module).__name__}"
+        )
+    batch, length = int(key.shape[0]), int(key.shape[-2])
+    mask = (
+        torch.ones(batch, length, dtype=torch.bool, device=key.device)
+        if key_mask is None
+        else key_mask.expand(batch, 1, length)[:, 0]
+    )
+    if rule == "special":
+        return special_keys(mask)[:, None]
+    exact = rule(mask)
+    if (
+        not isinstance(exact, torch.Tensor)
+        or exact.dtype != torch.bool
+        or tuple(exact.shape) != (batch, length)
+    ):
+        got = (
+            f"dtype {exact.dtype}, shape {tuple(exact.shape)}"
+            if isinstance(exact, torch.Tensor)
+            else type(exact).__name__
+        )
+        raise ValueError(
+            f"exact_keys (a callable) must return a boolean tensor of shape ({batch}, "
+            f"{length}) (B, L_k); got {got}"
+        )
+    return (exact & mask)[:, None]
 
 
 def _feature_map(
-    module: torch.nn.Module, head_dim: int, scaling: float | None, causal: bool
-) -> FeatureMap:
+    module: torch.nn.Module,
+    settings: dict[str, Any],
+    head_dim: int,
+    scaling: float | None,
+    causal: bool,
+) -> FeatureMap | None:
     """One map per layer, kept on the module (the same projection every call)."""
-    key = (head_dim, scaling, causal, tuple(sorted(_settings(module).items())))
+    if settings["num_features"] is None:
+        return None
+    key = (
+        head_dim, scaling, causal,
+        tuple(settings[name] for name in ("num_features", "kind", "seed")),
+    )  # fmt: skip
     cached = module.__dict__.get("_linattn_feature_map")
     if cached is not None and cached[0] == key:
         return cached[1]
-    settings = _settings(module)
     kind = settings["kind"] or ("hyperbolic" if causal else "hyperbolic_oprf")
     feature_map = FeatureMap(
         head_dim,
