@@ -19,6 +19,7 @@ import numpy as np
 
 from linattn import _dispatch
 from linattn import causal as causal_path
+from linattn._adjoints import sum_to
 from linattn._checks import (
     broadcast_shapes,
     check_attention_inputs,
@@ -27,10 +28,18 @@ from linattn._checks import (
     check_statistics_for_causal,
 )
 from linattn._gqa import group_mask, grouped
-from linattn._xp import Array, Namespace, compute_dtype, constant, dtype_name, is_traced
+from linattn._xp import (
+    Array,
+    Namespace,
+    compute_dtype,
+    constant,
+    dtype_name,
+    float_dtype,
+    is_traced,
+)
 from linattn.calibration import Statistics, per_call_statistics
 from linattn.features import FeatureMap
-from linattn.hybrid import build, parts
+from linattn.hybrid import build, parts, paths
 from linattn.state import LinearAttentionState
 
 __all__ = [
@@ -44,6 +53,7 @@ __all__ = [
     "check_state",
     "drop_masked_keys",
     "exact_parts_call",
+    "exact_parts_vjp",
     "grouped_inputs",
     "hybrid_options",
     "normalise_call",
@@ -483,3 +493,50 @@ def attend(
         xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift
     )
     return outputs_aug, kv, log_shift
+
+
+def exact_parts_vjp(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap | None,
+    grad_output: Array,
+    *,
+    plan: _dispatch.Plan,
+    **options: Any,
+) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of a call with exact parts: each part's adjoint
+    (:func:`linattn.hybrid.paths.parts_vjp`), the far keys on ``plan``'s scan; shaped and
+    typed like ``q``, ``k`` and ``v``.  ``options`` are the call's (no state)."""
+    call = exact_parts_call(
+        q,
+        k,
+        v,
+        feature_map,
+        state=None,
+        return_state=False,
+        plan=plan,
+        extra={"grad_output": grad_output},
+        **options,
+    )
+    info, xp = call.info, call.info.xp
+    float_dtype(xp, "grad_output", grad_output)
+    shape = (*call.batch, info.query_length, info.value_dim)
+    if tuple(grad_output.shape) != shape:
+        raise ValueError(
+            f"grad_output must have the output's shape {shape}; got {tuple(grad_output.shape)}"
+        )
+    work = compute_dtype(xp, info.dtype)
+    dq, dk, dv = paths.parts_vjp(xp, call.parts, xp.astype(grad_output, work, copy=False))
+    keep = call.keep[..., None]  # masked keys were zeroed before anything was computed
+    inputs = {"q": q, "k": k, "v": v}
+    grads = {"q": dq, "k": dk, "v": dv}
+    out = []
+    for name in ("q", "k", "v"):
+        g, x = grads[name], inputs[name]
+        if g is None:
+            g = xp.zeros((*call.batch, *x.shape[-2:]), dtype=work, device=info.device)
+        elif name != "q":
+            g = xp.where(keep, g, constant(xp, 0.0, g))
+        out.append(sum_to(xp, g, tuple(x.shape), x.dtype))
+    return out[0], out[1], out[2]

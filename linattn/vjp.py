@@ -25,14 +25,13 @@ from linattn._call import (
     attention_operands,
     call_statistics,
     drop_masked_keys,
-    exact_parts_call,
+    exact_parts_vjp,
 )
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
 from linattn._plan import plan_call
-from linattn._xp import Array, compute_dtype, constant, float_dtype
+from linattn._xp import Array, compute_dtype, float_dtype
 from linattn.features import FeatureMap
-from linattn.hybrid import paths
 from linattn.state import empty_state
 
 __all__ = ["linear_attention_vjp"]
@@ -232,36 +231,4 @@ def _exact_parts_vjp(
         )
     # The far keys' scan as linear_attention's plan runs it (the portable parts on Dask).
     plan = plan_call(Call(q, k, v, feature_map, backend=backend, **options)).scan
-    call = exact_parts_call(
-        q,
-        k,
-        v,
-        feature_map,
-        state=None,
-        return_state=False,
-        plan=plan,
-        extra={"grad_output": grad_output},
-        **options,
-    )
-    info, xp = call.info, call.info.xp
-    float_dtype(xp, "grad_output", grad_output)
-    shape = (*call.batch, info.query_length, info.value_dim)
-    if tuple(grad_output.shape) != shape:
-        raise ValueError(
-            f"grad_output must have the output's shape {shape}; got {tuple(grad_output.shape)}"
-        )
-    work = compute_dtype(xp, info.dtype)
-    dq, dk, dv = paths.parts_vjp(xp, call.parts, xp.astype(grad_output, work, copy=False))
-    keep = call.keep[..., None]  # masked keys were zeroed before anything was computed
-    zeros = {"q": q, "k": k, "v": v}
-    grads = {"q": dq, "k": dk, "v": dv}
-    out = []
-    for name in ("q", "k", "v"):
-        g = grads[name]
-        x = zeros[name]
-        if g is None:
-            g = xp.zeros((*call.batch, *x.shape[-2:]), dtype=work, device=info.device)
-        elif name != "q":
-            g = xp.where(keep, g, constant(xp, 0.0, g))
-        out.append(sum_to(xp, g, tuple(x.shape), x.dtype))
-    return out[0], out[1], out[2]
+    return exact_parts_vjp(q, k, v, feature_map, grad_output, plan=plan, **options)
