@@ -12,9 +12,17 @@ the calling thread.  :func:`choose_variant` picks per call; the serial variant r
 * for small work (a one-token decode step, a few heads), where starting the pool costs
   more than it saves, and under contention far more (:data:`SERIAL_WORK`).
 
-This follows numbagg (``numbagg/decorators.py``).  The compile cache is off unless
-``LINATTN_NUMBA_CACHE=1``: processes that compile the same functions at once can race
-on Numba's cache files and crash (numba issue 4807).
+This follows numbagg (``numbagg/decorators.py``).
+
+Every kernel uses Numba's on-disk compile cache, in the directory :mod:`linattn_numba._cache`
+resolves (on by default; ``LINATTN_NUMBA_CACHE=0`` turns it off), and compiles under that
+directory's lock.  The serial twin is cached apart from the parallel kernel: Numba keys a
+cache entry by function and signature, not by ``parallel``, so without a name of its own the
+twin would load the parallel kernel from the cache.  Each compilation (or load from the
+cache) of a kernel is logged at ``DEBUG`` on the ``linattn.numba`` logger, with the extra
+attributes ``kernel``, ``variant``, ``dtype``, ``seconds`` and ``source`` (``"compiled"``
+or ``"cache"``); the first compilation in a process logs a one-line notice at ``WARNING``
+(``logging.getLogger("linattn").setLevel(logging.ERROR)`` silences it).
 
 Examples
 --------
@@ -28,9 +36,13 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import threading
+import time
+import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,31 +50,35 @@ from typing import Any
 
 import numba
 from numba import njit
+from numba.core import event as _numba_event
+from numba.core.compiler_lock import global_compiler_lock
 from numba.np.ufunc import parallel as _numba_parallel
+
+from linattn_numba import _cache
 
 __all__ = [
     "CACHE",
+    "CACHE_SETTING",
     "CACHE_VARIABLE",
     "SERIAL_WORK",
     "Variants",
     "choose_variant",
     "describe",
+    "describe_cache",
+    "logger",
     "jit",
     "serial_reason",
     "single_threaded_blas",
     "threading_layer",
 ]
 
-CACHE_VARIABLE = "LINATTN_NUMBA_CACHE"
+CACHE_VARIABLE = _cache.VARIABLE
+_CONFIG: Any = numba.config  # (its settings are set at import: mypy cannot see them)
 
-
-def _cache_from_environment() -> bool:
-    value = os.environ.get(CACHE_VARIABLE, "").strip().lower()
-    return value in ("1", "true", "yes", "on")
-
-
-#: Whether the kernels use Numba's on-disk compile cache (read once, at import).
-CACHE = _cache_from_environment()
+#: The compile cache's directory (``None``: no cache) and why (read once, at import).
+CACHE_SETTING = _cache.resolve(os.environ, str(_CONFIG.CACHE_DIR or ""))
+#: Whether the kernels use Numba's on-disk compile cache.
+CACHE = CACHE_SETTING.directory is not None
 
 #: Work below which the kernels run serial, in token-heads times state entries
 #: (``batch * L * m * (d_v + 1)``, about the multiply-adds of the state updates).  About
@@ -72,7 +88,6 @@ CACHE = _cache_from_environment()
 #: ``docs/backends.md``.
 SERIAL_WORK = 2**23
 
-_CONFIG: Any = numba.config  # (its settings are set at import: mypy cannot see them)
 _LAYERS = ("tbb", "omp", "workqueue")
 _THREAD_SAFE = {"tbb", "omp"}
 # GNU OpenMP (Linux) is the one that is not fork-safe; elsewhere OpenMP is.
@@ -86,24 +101,39 @@ _CATEGORIES = {
 
 
 def jit(parallel: bool = False, fastmath: frozenset[str] = frozenset({"contract"})) -> Any:
-    """``numba.njit`` with the kernels' options: no GIL, NumPy's error model, ``cache``
-    from :data:`CACHE`, and by default only multiply-add fusion as fast-math (no flag that
-    assumes finite values)."""
-    return njit(
-        cache=CACHE, nogil=True, fastmath=set(fastmath), error_model="numpy", parallel=parallel
-    )
+    """``numba.njit`` with the kernels' options: no GIL, NumPy's error model, the compile
+    cache of :data:`CACHE_SETTING`, and by default only multiply-add fusion as fast-math
+    (no flag that assumes finite values)."""
+    options = {
+        "nogil": True,
+        "fastmath": set(fastmath),
+        "error_model": "numpy",
+        "parallel": parallel,
+    }
+
+    def decorate(func: Callable[..., Any]) -> Any:
+        dispatcher = njit(**options)(func)
+        directory = CACHE_SETTING.directory
+        cached = directory is not None and _cache.attach(dispatcher, directory)
+        _instrument(dispatcher, directory if cached else None)
+        return dispatcher
+
+    return decorate
 
 
 class Variants:
     """A kernel compiled as ``parallel=True`` and as a serial twin; run one by name.
 
-    ``launches`` counts the calls of each variant (for tests and diagnostics).
+    Each variant compiles on its first call (a call path compiles only the variants it
+    runs).  The twin is a copy of the function named ``<name>_serial``: its own entry in
+    the compile cache.  ``launches`` counts the calls of each variant (for tests and
+    diagnostics).
     """
 
     def __init__(self, func: Callable[..., Any]) -> None:
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
-        self.dispatchers = {"parallel": jit(parallel=True)(func), "serial": jit()(func)}
+        self.dispatchers = {"parallel": jit(parallel=True)(func), "serial": jit()(_twin(func))}
         self.launches: Counter[str] = Counter()
 
     def run(self, variant: str, *args: Any) -> Any:
@@ -111,6 +141,103 @@ class Variants:
         dispatcher = self.dispatchers[variant]
         self.launches[variant] += 1
         return dispatcher(*args)
+
+
+def _twin(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``func`` named ``<name>_serial`` (Numba's cache files and index are named
+    by the function's qualified name and line, and not told ``parallel`` apart)."""
+    twin = types.FunctionType(
+        func.__code__, func.__globals__, f"{func.__name__}_serial", func.__defaults__,
+        func.__closure__,
+    )  # fmt: skip
+    twin.__qualname__ = f"{func.__qualname__}_serial"
+    twin.__doc__ = func.__doc__
+    return twin
+
+
+# -- compiling: the lock, the log and the notice -------------------------------------------
+
+logger = logging.getLogger("linattn.numba")
+# Kernels being compiled in this process (a kernel compiles its callees inside its own
+# compilation; only the outermost is logged).  Changed under Numba's compiler lock only.
+_COMPILING = {"depth": 0}
+# Whether this process has logged the notice that kernels compile.
+_NOTICE = {"given": False}
+
+
+def _instrument(dispatcher: Any, directory: Any) -> None:
+    """Compile ``dispatcher`` under the lock of the cache in ``directory`` (``None``: no
+    cache, no lock), and log each outermost compilation or load from the cache."""
+    compile_ = dispatcher.compile
+
+    def compile(sig: Any) -> Any:
+        # Numba's lock first, as every compilation takes it: no deadlock with a thread
+        # compiling a function that calls this kernel.
+        lock = contextlib.nullcontext() if directory is None else _cache.locked(directory)
+        with global_compiler_lock, lock:
+            stats = dispatcher.stats
+            before = (sum(stats.cache_misses.values()), sum(stats.cache_hits.values()))
+            start = time.perf_counter()
+            _COMPILING["depth"] += 1
+            try:
+                return compile_(sig)
+            finally:
+                _COMPILING["depth"] -= 1
+                if _COMPILING["depth"] == 0:
+                    _log_compilation(dispatcher, sig, before, time.perf_counter() - start)
+
+    dispatcher.compile = compile
+
+
+def _log_compilation(dispatcher: Any, sig: Any, before: tuple[int, int], seconds: float) -> None:
+    stats = dispatcher.stats
+    if sum(stats.cache_misses.values()) > before[0]:
+        source = "compiled"
+    elif sum(stats.cache_hits.values()) > before[1]:
+        source = "cache"
+    else:
+        return  # (compiled before, in this process)
+    func = dispatcher.py_func
+    kernel = f"{func.__module__.removeprefix('linattn_numba.')}.{func.__name__}"
+    variant = "parallel" if dispatcher.targetoptions.get("parallel") else "serial"
+    dtypes = [str(arg.dtype) for arg in getattr(sig, "args", sig) if hasattr(arg, "dtype")]
+    dtype = dtypes[0] if dtypes else ""
+    logger.debug(
+        "%s %s (%s, %s) in %.2f s", source, kernel, variant, dtype, seconds,
+        extra={
+            "kernel": kernel, "variant": variant, "dtype": dtype, "seconds": seconds,
+            "source": source,
+        },
+    )  # fmt: skip
+
+
+class _CompileNotice(_numba_event.Listener):
+    """Logs, once per process, that kernels compile: the first call waits for it."""
+
+    def on_start(self, event: Any) -> None:
+        if _NOTICE["given"]:
+            return
+        module = getattr(event.data["dispatcher"].py_func, "__module__", "") or ""
+        if not module.startswith("linattn_numba."):
+            return
+        _NOTICE["given"] = True
+        directory = CACHE_SETTING.directory
+        where = (
+            f"cached in {directory} for later processes"
+            if directory is not None
+            else f"compile cache {CACHE_SETTING.reason}: every process compiles again"
+        )
+        logger.warning(
+            "linattn: compiling the Numba kernels this call needs (up to a minute; %s; "
+            "`linattn compile` compiles them ahead)",
+            where,
+        )
+
+    def on_end(self, event: Any) -> None:
+        return None
+
+
+_numba_event.register("numba:compile", _CompileNotice())
 
 
 def threading_layer() -> str:
@@ -151,8 +278,26 @@ def describe() -> str:
         *([] if layer in _FORK_SAFE else ["forked children run serial"]),
     ]
     safety = "; ".join(unsafe) if unsafe else "thread- and fork-safe"
-    cache = "on" if CACHE else f"off ({CACHE_VARIABLE}=1 turns it on)"
-    return f"threading layer {layer} ({started}; {safety}); compile cache {cache}"
+    return f"threading layer {layer} ({started}; {safety}); {describe_cache()}"
+
+
+def describe_cache() -> str:
+    """The compile cache in words: its directory, where that came from, its size and how
+    to clear it; or why there is none.
+
+    Examples
+    --------
+    >>> describe_cache().startswith("compile cache ")
+    True
+    """
+    directory = CACHE_SETTING.directory
+    if directory is None:
+        return f"compile cache {CACHE_SETTING.reason}"
+    megabytes = _cache.size(directory) / 2**20
+    return (
+        f"compile cache on: {directory} ({CACHE_SETTING.reason}; {megabytes:.1f} MB; "
+        f"clear: rm -rf '{directory}'; {CACHE_VARIABLE}=0 turns it off)"
+    )
 
 
 # A forked child inherits the parent's thread pool state but not its threads.

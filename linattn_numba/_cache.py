@@ -1,0 +1,233 @@
+"""The kernels' on-disk compile cache: where it lives, and the lock that lets processes share it.
+
+The cache is on by default.  Its directory, first rule that applies:
+
+1. ``LINATTN_NUMBA_CACHE=0`` (or ``off``, ``false``, ``no``): no cache, whatever else is set;
+2. ``NUMBA_CACHE_DIR`` (``numba.config.CACHE_DIR``), Numba's own setting, as it is;
+3. ``LINATTN_NUMBA_CACHE=<absolute directory>``;
+4. the user's cache directory: ``$XDG_CACHE_HOME/linattn/numba/<versions>``, or
+   ``~/.cache/...`` where ``XDG_CACHE_HOME`` is not set (``~/Library/Caches`` on macOS,
+   ``%LOCALAPPDATA%`` on Windows), ``<versions>`` naming linattn's and Numba's.
+
+A directory that cannot be created or written means no cache, without an error (Numba
+itself would fall back to ``__pycache__`` beside the sources, or its own user-wide
+directory: the kernels never do).
+
+Numba's cache is not safe for processes compiling the same functions at once (numba issue
+4807: each process rewrites a function's index from the copy it read, so two processes can
+give one data file to two signatures).  Every compilation of a kernel, cache look-up and
+write included, holds an exclusive lock on a file in the directory (:func:`locked`): the
+processes compile one after another, and the later ones load what the first compiled.
+
+Examples
+--------
+>>> resolve({"LINATTN_NUMBA_CACHE": "0"}, numba_cache_dir="")
+Setting(directory=None, reason='off (LINATTN_NUMBA_CACHE=0)')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = [
+    "LOCK_NAME",
+    "VARIABLE",
+    "Setting",
+    "attach",
+    "default_directory",
+    "locked",
+    "resolve",
+    "size",
+]
+
+VARIABLE = "LINATTN_NUMBA_CACHE"
+#: The lock file inside the cache directory (see :func:`locked`).
+LOCK_NAME = ".linattn-compile.lock"
+_OFF = ("0", "off", "false", "no")
+_ON = ("", "1", "on", "true", "yes")
+
+logger = logging.getLogger("linattn.numba")
+
+
+class Setting(NamedTuple):
+    """The cache's directory (``None``: no cache) and where that came from, in words."""
+
+    directory: Path | None
+    reason: str
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def default_directory(environ: Mapping[str, str]) -> Path:
+    """The user's cache directory for the kernels (the XDG rule; macOS and Windows have
+    their own places).
+
+    Examples
+    --------
+    >>> default_directory({"XDG_CACHE_HOME": "/c"}).parent.as_posix()  # doctest: +SKIP
+    '/c/linattn/numba'
+    """
+    if sys.platform == "win32" and environ.get("LOCALAPPDATA"):
+        base = Path(environ["LOCALAPPDATA"])
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    versions = f"{_version('linattn')}-numba-{_version('numba')}"
+    return base / "linattn" / "numba" / versions
+
+
+def _writable(directory: Path) -> str | None:
+    """``None`` when ``directory`` exists (or was made) and takes a file, else why not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except (OSError, ValueError) as error:  # (ValueError: a NUL in the path)
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def resolve(environ: Mapping[str, str], numba_cache_dir: str) -> Setting:
+    """The cache directory the settings ``environ`` and ``numba_cache_dir``
+    (``numba.config.CACHE_DIR``) ask for, made if missing; ``None`` and the reason where
+    there is none or it cannot be written.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> resolve({}, numba_cache_dir=folder).reason
+    'NUMBA_CACHE_DIR'
+    >>> resolve({"LINATTN_NUMBA_CACHE": "off"}, numba_cache_dir=folder).directory is None
+    True
+    """
+    value = environ.get(VARIABLE, "").strip()
+    if value.lower() in _OFF:
+        return Setting(None, f"off ({VARIABLE}={value})")
+    if numba_cache_dir:
+        directory, reason = Path(numba_cache_dir), "NUMBA_CACHE_DIR"
+    elif value.lower() in _ON:
+        directory, reason = default_directory(environ), "the user's cache directory"
+    else:
+        directory, reason = Path(value).expanduser(), VARIABLE
+        if not directory.is_absolute():
+            return Setting(
+                None, f"off: {VARIABLE}={value!r} is neither 0, 1 nor an absolute directory"
+            )
+    problem = _writable(directory)
+    if problem is not None:
+        return Setting(None, f"off: {directory} ({reason}) cannot be written: {problem}")
+    return Setting(directory, reason)
+
+
+def size(directory: Path) -> int:
+    """Bytes in the files under ``directory`` (0 where it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):  # (removed meanwhile)
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+# -- the lock ----------------------------------------------------------------------------
+
+# Depth of nested compilations holding the lock in this process (a kernel compiles the
+# functions it calls inside its own compilation).  Only changed under Numba's global
+# compiler lock, which every compilation holds.
+_HELD = {"depth": 0}
+_LOCAL = threading.RLock()
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold the exclusive lock of the cache in ``directory`` (re-entrant in a process;
+    other processes wait).  A lock that cannot be taken (no ``fcntl``, a file system
+    without locks) is not held, without an error.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> with locked(folder), locked(folder):  # (the inner one: same process, no wait)
+    ...     (folder / LOCK_NAME).exists()
+    True
+    """
+    with _LOCAL:
+        if _HELD["depth"] > 0:
+            _HELD["depth"] += 1
+            try:
+                yield
+            finally:
+                _HELD["depth"] -= 1
+            return
+        handle = _acquire(directory / LOCK_NAME)
+        _HELD["depth"] = 1
+        try:
+            yield
+        finally:
+            _HELD["depth"] = 0
+            if handle is not None:
+                handle.close()  # (releases the lock)
+
+
+def _acquire(path: Path) -> Any:
+    """The open lock file at ``path``, locked; ``None`` where no lock can be taken."""
+    try:
+        import fcntl
+    except ImportError:  # (Windows)
+        return None
+    try:
+        handle = open(path, "a+b")  # noqa: SIM115 (closed by ``locked``)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process compiling into %s", path.parent)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError:
+        handle.close()
+        return None
+    return handle
+
+
+# -- attaching the cache to a kernel ------------------------------------------------------
+
+
+def attach(dispatcher: Any, directory: Path) -> bool:
+    """Turn on ``dispatcher``'s compile cache in ``directory``; ``False`` (and no cache)
+    where Numba chose another directory (``directory`` became unwritable since
+    :func:`resolve`, and Numba fell back to ``__pycache__``).  Hold :func:`locked` around
+    its compilations (``linattn_numba._machinery`` does)."""
+    from numba.core import config
+    from numba.core.caching import NullCache
+    from numba.core.compiler_lock import global_compiler_lock
+
+    with global_compiler_lock:  # (no other thread compiles while the setting is changed)
+        saved = config.CACHE_DIR
+        config.CACHE_DIR = str(directory)
+        try:
+            dispatcher.enable_caching()
+        finally:
+            config.CACHE_DIR = saved
+    path = dispatcher.stats.cache_path
+    if path is None or not Path(path).is_relative_to(directory):
+        dispatcher._cache = NullCache()  # (what ``njit(cache=False)`` holds)
+        return False
+    return True
