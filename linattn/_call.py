@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import array_api_compat
 import numpy as np
 
 from linattn import _dispatch
@@ -31,10 +30,12 @@ from linattn._gqa import group_mask, grouped
 from linattn._xp import (
     Array,
     Namespace,
+    array_namespace,
     compute_dtype,
     constant,
     dtype_name,
     float_dtype,
+    is_array,
     is_traced,
 )
 from linattn.calibration import Statistics, per_call_statistics
@@ -192,7 +193,7 @@ def grouped_inputs(
     ):
         return q, k, v, key_mask, None
     if (
-        all(array_api_compat.is_array_api_obj(x) for x in (q, k, v))
+        all(is_array(x) for x in (q, k, v))
         and v.ndim == q.ndim
         and 1 not in (q.shape[-3], k.shape[-3])  # one head (or grouped already) broadcasts
         and q.shape[-3] % k.shape[-3] == 0  # else the batch check names the shapes
@@ -248,8 +249,8 @@ def check_num_tokens(count: Any) -> None:
 
     Its value is checked only where it is known: under tracing it is not.
     """
-    if array_api_compat.is_array_api_obj(count):
-        xp = array_api_compat.array_namespace(count)
+    if is_array(count):
+        xp = array_namespace(count)
         if count.ndim == 0 and xp.isdtype(count.dtype, "integral"):
             if not is_traced(count) and int(count) < 0:
                 raise TypeError(
