@@ -15,9 +15,10 @@ directory: the kernels never do).
 
 Numba's cache is not safe for processes compiling the same functions at once (numba issue
 4807: each process rewrites a function's index from the copy it read, so two processes can
-give one data file to two signatures).  Every compilation of a kernel, cache look-up and
-write included, holds an exclusive lock on a file in the directory (:func:`locked`): the
-processes compile one after another, and the later ones load what the first compiled.
+give one data file to two signatures).  A kernel that is not in the cache is compiled and
+saved under an exclusive lock on a file in the directory (:class:`LockedCache`): processes
+compile one after another, a process that waited looks in the cache again and loads what
+the other compiled, and loads from a warm cache take no lock.
 
 Examples
 --------
@@ -33,24 +34,25 @@ import logging
 import os
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = [
     "LOCK_NAME",
     "VARIABLE",
+    "LockedCache",
     "Setting",
     "attach",
     "default_directory",
-    "locked",
+    "hold",
+    "release",
     "resolve",
     "size",
 ]
 
 VARIABLE = "LINATTN_NUMBA_CACHE"
-#: The lock file inside the cache directory (see :func:`locked`).
+#: The lock file inside the cache directory (see :func:`hold`).
 LOCK_NAME = ".linattn-compile.lock"
 _OFF = ("0", "off", "false", "no")
 _ON = ("", "1", "on", "true", "yes")
@@ -78,8 +80,8 @@ def default_directory(environ: Mapping[str, str]) -> Path:
 
     Examples
     --------
-    >>> default_directory({"XDG_CACHE_HOME": "/c"}).parent.as_posix()  # doctest: +SKIP
-    '/c/linattn/numba'
+    >>> default_directory({"XDG_CACHE_HOME": "/c"}).parts[-3:-1]
+    ('linattn', 'numba')
     """
     if sys.platform == "win32" and environ.get("LOCALAPPDATA"):
         base = Path(environ["LOCALAPPDATA"])
@@ -146,43 +148,35 @@ def size(directory: Path) -> int:
 
 # -- the lock ----------------------------------------------------------------------------
 
-# Depth of nested compilations holding the lock in this process (a kernel compiles the
-# functions it calls inside its own compilation).  Only changed under Numba's global
-# compiler lock, which every compilation holds.
-_HELD = {"depth": 0}
-_LOCAL = threading.RLock()
+# The lock file this process holds locked (exclusive), if any.  Taken and released under
+# Numba's global compiler lock only, which every compilation holds.
+_HELD: dict[str, Any] = {"handle": None}
 
 
-@contextlib.contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """Hold the exclusive lock of the cache in ``directory`` (re-entrant in a process;
-    other processes wait).  A lock that cannot be taken (no ``fcntl``, a file system
-    without locks) is not held, without an error.
+def hold(directory: Path) -> None:
+    """Hold the exclusive lock of the cache in ``directory`` until :func:`release`
+    (nothing where this process holds it already; other processes wait).  A lock that
+    cannot be taken (no ``fcntl``, a file system without locks) is not held, without an
+    error.
 
     Examples
     --------
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
-    >>> with locked(folder), locked(folder):  # (the inner one: same process, no wait)
-    ...     (folder / LOCK_NAME).exists()
+    >>> hold(folder); hold(folder)  # (the second: held already, no wait)
+    >>> (folder / LOCK_NAME).exists()
     True
+    >>> release()
     """
-    with _LOCAL:
-        if _HELD["depth"] > 0:
-            _HELD["depth"] += 1
-            try:
-                yield
-            finally:
-                _HELD["depth"] -= 1
-            return
-        handle = _acquire(directory / LOCK_NAME)
-        _HELD["depth"] = 1
-        try:
-            yield
-        finally:
-            _HELD["depth"] = 0
-            if handle is not None:
-                handle.close()  # (releases the lock)
+    if _HELD["handle"] is None:
+        _HELD["handle"] = _acquire(directory / LOCK_NAME) or False
+
+
+def release() -> None:
+    """Release the lock :func:`hold` took, if any."""
+    handle, _HELD["handle"] = _HELD["handle"], None
+    if handle:
+        handle.close()  # (releases the lock)
 
 
 def _acquire(path: Path) -> Any:
@@ -192,7 +186,7 @@ def _acquire(path: Path) -> Any:
     except ImportError:  # (Windows)
         return None
     try:
-        handle = open(path, "a+b")  # noqa: SIM115 (closed by ``locked``)
+        handle = open(path, "a+b")  # noqa: SIM115 (closed by ``release``)
     except OSError:
         return None
     try:
@@ -207,18 +201,44 @@ def _acquire(path: Path) -> Any:
     return handle
 
 
+class LockedCache:
+    """A kernel's Numba cache whose misses take the directory's lock (:func:`hold`).
+
+    A load from the cache takes no lock: Numba replaces each file whole, and a writer holds
+    the lock.  A miss holds it and looks again (another process may have just written the
+    kernel); the lock is then held while the kernel compiles and is saved, until
+    :func:`release` (``linattn_numba._machinery`` calls it when the outermost compilation
+    ends).
+    """
+
+    def __init__(self, cache: Any, directory: Path) -> None:
+        self.cache = cache
+        self.directory = directory
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any:
+        found = self.cache.load_overload(sig, target_context)
+        if found is None and _HELD["handle"] is None:
+            hold(self.directory)
+            found = self.cache.load_overload(sig, target_context)
+        return found
+
+    def __getattr__(self, name: str) -> Any:  # (save_overload, cache_path, flush, ...)
+        return getattr(self.cache, name)
+
+
 # -- attaching the cache to a kernel ------------------------------------------------------
 
 
 def attach(dispatcher: Any, directory: Path) -> bool:
-    """Turn on ``dispatcher``'s compile cache in ``directory``; ``False`` (and no cache)
-    where Numba chose another directory (``directory`` became unwritable since
-    :func:`resolve`, and Numba fell back to ``__pycache__``).  Hold :func:`locked` around
-    its compilations (``linattn_numba._machinery`` does)."""
-    from numba.core import config
+    """Turn on ``dispatcher``'s compile cache in ``directory``, its misses under the lock
+    (:class:`LockedCache`); ``False`` (and no cache) where Numba chose another directory
+    (``directory`` became unwritable since :func:`resolve`, and Numba fell back to
+    ``__pycache__``)."""
+    from numba.core import config as numba_config
     from numba.core.caching import NullCache
     from numba.core.compiler_lock import global_compiler_lock
 
+    config: Any = numba_config  # (its settings are set at import: mypy cannot see them)
     with global_compiler_lock:  # (no other thread compiles while the setting is changed)
         saved = config.CACHE_DIR
         config.CACHE_DIR = str(directory)
@@ -230,4 +250,5 @@ def attach(dispatcher: Any, directory: Path) -> bool:
     if path is None or not Path(path).is_relative_to(directory):
         dispatcher._cache = NullCache()  # (what ``njit(cache=False)`` holds)
         return False
+    dispatcher._cache = LockedCache(dispatcher._cache, directory)
     return True

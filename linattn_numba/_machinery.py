@@ -36,7 +36,6 @@ Examples
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -65,8 +64,8 @@ __all__ = [
     "choose_variant",
     "describe",
     "describe_cache",
-    "logger",
     "jit",
+    "logger",
     "serial_reason",
     "single_threaded_blas",
     "threading_layer",
@@ -104,18 +103,14 @@ def jit(parallel: bool = False, fastmath: frozenset[str] = frozenset({"contract"
     """``numba.njit`` with the kernels' options: no GIL, NumPy's error model, the compile
     cache of :data:`CACHE_SETTING`, and by default only multiply-add fusion as fast-math
     (no flag that assumes finite values)."""
-    options = {
-        "nogil": True,
-        "fastmath": set(fastmath),
-        "error_model": "numpy",
-        "parallel": parallel,
-    }
 
     def decorate(func: Callable[..., Any]) -> Any:
-        dispatcher = njit(**options)(func)
-        directory = CACHE_SETTING.directory
-        cached = directory is not None and _cache.attach(dispatcher, directory)
-        _instrument(dispatcher, directory if cached else None)
+        dispatcher = njit(
+            nogil=True, fastmath=set(fastmath), error_model="numpy", parallel=parallel
+        )(func)
+        if CACHE_SETTING.directory is not None:
+            _cache.attach(dispatcher, CACHE_SETTING.directory)
+        _instrument(dispatcher)
         return dispatcher
 
     return decorate
@@ -165,16 +160,13 @@ _COMPILING = {"depth": 0}
 _NOTICE = {"given": False}
 
 
-def _instrument(dispatcher: Any, directory: Any) -> None:
-    """Compile ``dispatcher`` under the lock of the cache in ``directory`` (``None``: no
-    cache, no lock), and log each outermost compilation or load from the cache."""
+def _instrument(dispatcher: Any) -> None:
+    """Log each outermost compilation of ``dispatcher``, or load from the cache, and release
+    the cache's lock when it ends (a miss takes it: ``_cache.LockedCache``)."""
     compile_ = dispatcher.compile
 
     def compile(sig: Any) -> Any:
-        # Numba's lock first, as every compilation takes it: no deadlock with a thread
-        # compiling a function that calls this kernel.
-        lock = contextlib.nullcontext() if directory is None else _cache.locked(directory)
-        with global_compiler_lock, lock:
+        with global_compiler_lock:  # (what compile_ takes too: one compilation at a time)
             stats = dispatcher.stats
             before = (sum(stats.cache_misses.values()), sum(stats.cache_hits.values()))
             start = time.perf_counter()
@@ -184,6 +176,7 @@ def _instrument(dispatcher: Any, directory: Any) -> None:
             finally:
                 _COMPILING["depth"] -= 1
                 if _COMPILING["depth"] == 0:
+                    _cache.release()
                     _log_compilation(dispatcher, sig, before, time.perf_counter() - start)
 
     dispatcher.compile = compile

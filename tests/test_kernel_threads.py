@@ -1,10 +1,11 @@
 """The CPU kernels in real programs: forked children, thread pools, the compile cache and
 small work (``linattn_numba._machinery``).
 
-The fork and thread-pool cases run in a subprocess with a timeout: on failure the
-kernel kills the process (GNU OpenMP after ``fork``), hangs ``multiprocessing.Pool``
-or aborts the interpreter (``workqueue`` from several threads), which must fail one
-test, not end the suite.
+The fork and thread-pool cases run in a subprocess with a timeout, with the compile cache
+off and on: on failure the kernel kills the process (GNU OpenMP after ``fork``), hangs
+``multiprocessing.Pool`` or aborts the interpreter (``workqueue`` from several threads),
+which must fail one test, not end the suite.  With the cache on they failed so while the
+serial variant shared the parallel kernel's cache entry (and loaded it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numba
 
 import linattn as la
 from linattn import cli
-from linattn_numba import _machinery
+from linattn_numba import _cache, _machinery
 from linattn_numba.cpu import fused_causal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ import numpy as np
 import linattn as la
 
 try:
-    from linattn_numba import _machinery
+    from linattn_numba import _cache, _machinery
     _machinery.SERIAL_WORK = 0
 except ImportError:  # (a version without the serial variants)
     pass
@@ -66,12 +67,21 @@ if __name__ == "__main__":
 """
 
 
-def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """``argv`` in a fresh interpreter, without the compile cache setting (nox turns it on;
-    with it on, the fork and workqueue programs below still crash: GNU OpenMP kills the
-    forked children, workqueue aborts)."""
+@pytest.fixture(scope="module")
+def cache_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One compile cache for the programs below, empty at first: the first program with
+    the cache on compiles into it, the next loads from it."""
+    return tmp_path_factory.mktemp("numba-cache")
+
+
+def _run(
+    argv: list[str], env: dict[str, str], timeout: float, cache: Path | None
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` in a fresh interpreter, with the compile cache in ``cache`` (``None``:
+    off), whatever this process's setting."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    environment.pop(_machinery.CACHE_VARIABLE, None)
+    environment.pop("NUMBA_CACHE_DIR", None)
+    environment[_machinery.CACHE_VARIABLE] = "0" if cache is None else str(cache)
     environment.update(env)
     try:
         return subprocess.run(
@@ -82,44 +92,31 @@ def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.Com
         pytest.fail(f"{argv} did not finish in {timeout} s (hung): {error.stderr!r}")
 
 
-def test_forked_children_compute_like_their_parent(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_forked_children_compute_like_their_parent(
+    cache: str, cache_directory: Path, tmp_path: Path
+) -> None:
     """A ``fork`` Pool after the parent ran the parallel kernel (GNU OpenMP killed the
     children and the pool hung)."""
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
-    done = _run([str(script), "fork"], {}, timeout=240)
+    directory = cache_directory if cache == "on" else None
+    done = _run([str(script), "fork"], {}, timeout=240, cache=directory)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_thread_pool_with_the_workqueue_layer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_thread_pool_with_the_workqueue_layer(
+    cache: str, cache_directory: Path, tmp_path: Path
+) -> None:
     """Four threads calling the kernel at once with ``workqueue``, which is not
     thread-safe (it aborted the interpreter)."""
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
-    done = _run([str(script), "threads"], {"NUMBA_THREADING_LAYER": "workqueue"}, timeout=240)
+    directory = cache_directory if cache == "on" else None
+    env = {"NUMBA_THREADING_LAYER": "workqueue"}
+    done = _run([str(script), "threads"], env, timeout=240, cache=directory)
     assert done.returncode == 0, done.stdout + done.stderr
-
-
-CACHES = """
-import numba
-from linattn_numba.cpu import causal, chunks, features, fused_causal, scalars
-cpu = [x for m in (scalars, features, chunks, causal, fused_causal) for x in vars(m).values()]
-kernels = [x for x in cpu if isinstance(x, numba.core.dispatcher.Dispatcher)]
-kernels += [d for x in cpu for d in getattr(x, "dispatchers", {}).values()]
-print(sorted({type(k._cache).__name__ for k in kernels}), len(kernels))
-"""
-
-
-@pytest.mark.parametrize(
-    ("value", "cache"), [(None, "NullCache"), ("0", "NullCache"), ("1", "FunctionCache")]
-)
-def test_compile_cache_is_opt_in(value: str | None, cache: str) -> None:
-    env = {} if value is None else {_machinery.CACHE_VARIABLE: value}
-    done = _run(["-c", CACHES], env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    caches, count = done.stdout.split("] ")
-    assert caches + "]" == repr([cache])
-    assert int(count) > 10  # (every compiled function of the module was looked at)
 
 
 STATE = 256 * 65  # one head's state entries at m = 256, d_v = 64
@@ -200,12 +197,25 @@ def test_concurrent_kernels_leave_blas_threads_as_they_were() -> None:
 
 @pytest.mark.parametrize("cache", [False, True])
 def test_info_shows_the_threading_layer_and_cache(
-    cache: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    cache: bool,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # (the setting is read at import; nox runs the suite with the cache on)
-    monkeypatch.setattr(_machinery, "CACHE", cache)
+    # (the setting is read at import)
+    (tmp_path / "kernel.nbc").write_bytes(b"0" * 2**20)
+    setting = (
+        _cache.Setting(tmp_path, "NUMBA_CACHE_DIR")
+        if cache
+        else _cache.Setting(None, "off (LINATTN_NUMBA_CACHE=0)")
+    )
+    monkeypatch.setattr(_machinery, "CACHE_SETTING", setting)
     assert cli.main(["info", "--format", "json"]) == 0
     cpu_kernel = json.loads(capsys.readouterr().out)["kernels"]["numba-cpu"]
     assert cpu_kernel.startswith("available; ")
     assert f"threading layer {_machinery.threading_layer()}" in cpu_kernel
-    assert ("compile cache on" if cache else "compile cache off") in cpu_kernel
+    if cache:
+        assert f"compile cache on: {tmp_path} (NUMBA_CACHE_DIR; 1.0 MB; " in cpu_kernel
+        assert f"clear: rm -rf '{tmp_path}'" in cpu_kernel
+    else:
+        assert "compile cache off (LINATTN_NUMBA_CACHE=0)" in cpu_kernel

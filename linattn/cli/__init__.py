@@ -1,4 +1,4 @@
-"""``linattn``: the command line (``demo``, ``accuracy``, ``bench``, ``info``).
+"""``linattn``: the command line (``demo``, ``accuracy``, ``bench``, ``info``, ``compile``).
 
 ``linattn demo`` is the main job: in under a minute on a laptop-class CPU it shows
 how close FAVOR+ comes to exact softmax attention as the number of random
@@ -6,9 +6,10 @@ features grows, and how its time and memory grow with sequence length next to
 exact attention.  Every option has a default; a bad option, or a request that
 cannot run here, prints a message that names it and exits with status 2.
 
-``linattn info`` works with the base install; the other commands draw plots and
-need the ``cli`` extra (``pip install "linattn[cli]"``: rich, matplotlib, psutil).
-The library never imports this package.
+``linattn info`` works with the base install, ``linattn compile`` (the kernels of typical
+calls compiled ahead, into their compile cache) with ``linattn[numba]``; the other
+commands draw plots and need the ``cli`` extra (``pip install "linattn[cli]"``: rich,
+matplotlib, psutil).  The library never imports this package.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from linattn.cli import _commands, _info, _options
+from linattn.cli import _commands, _compile, _info, _options
 from linattn.cli._options import CommandError
 
 __all__ = ["build_parser", "main"]
@@ -27,6 +28,7 @@ COMMANDS = {
     "accuracy": _commands.accuracy,
     "bench": _commands.bench,
     "info": _info.info,
+    "compile": _compile.compile_kernels,
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,16 +104,19 @@ class Console:
         )
 
     def print(self, item: str | Table) -> None:
+        """Print ``item`` and flush: a pipe shows each line when it is printed."""
         if self.rich is not None:
             self.rich.print(_rich_table(item) if isinstance(item, Table) else item)
         else:
             self.stream.write(_plain_table(item) if isinstance(item, Table) else f"{item}\n")
+        self.stream.flush()
 
     def rule(self, title: str) -> None:
         if self.rich is not None:
             self.rich.rule(title)
         else:
             self.stream.write(f"== {title} ==\n")
+        self.stream.flush()
 
 
 class _NoProgress:
@@ -123,11 +127,55 @@ class _NoProgress:
         return None
 
 
+class _LineProgress:
+    """Progress as lines on standard error, flushed (a pipe, a log file, no rich): each
+    task when it starts, at every tenth of its steps, and when it ends.
+
+    Examples
+    --------
+    >>> import io
+    >>> stream = io.StringIO()
+    >>> bar = _LineProgress(stream)
+    >>> task = bar.add_task("accuracy vs m", total=2)
+    >>> bar.advance(task); bar.advance(task)
+    >>> print(stream.getvalue().replace(" 0.0 s", ""), end="")
+    accuracy vs m: 0/2
+    accuracy vs m: 1/2
+    accuracy vs m: 2/2
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tasks: list[list[Any]] = []  # description, total, done, start
+
+    def _line(self, task: int) -> None:
+        description, total, done, start = self.tasks[task]
+        elapsed = "" if done == 0 else f" {time.perf_counter() - start:.1f} s"
+        self.stream.write(f"{description}: {done}/{total}{elapsed}\n")
+        self.stream.flush()
+
+    def add_task(self, description: str, total: int) -> int:
+        self.tasks.append([description, total, 0, time.perf_counter()])
+        self._line(len(self.tasks) - 1)
+        return len(self.tasks) - 1
+
+    def advance(self, task: int) -> None:
+        entry = self.tasks[task]
+        entry[2] += 1
+        done, total = entry[2], entry[1]
+        if done == total or done * 10 // max(total, 1) > (done - 1) * 10 // max(total, 1):
+            self._line(task)
+
+
 @contextlib.contextmanager
 def progress(enabled: bool = True) -> Iterator[Any]:
-    """A progress bar on standard error (rich, shown only on a terminal), else nothing."""
-    if import_optional("rich.progress") is None:
+    """A progress bar on standard error: rich's on a terminal, else lines (flushed, so
+    that a pipe or a log shows them as they come); nothing when not ``enabled``."""
+    if not enabled:
         yield _NoProgress()
+        return
+    if import_optional("rich.progress") is None or not sys.stderr.isatty():
+        yield _LineProgress(sys.stderr)
         return
     from rich.progress import (
         BarColumn,

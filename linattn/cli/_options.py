@@ -385,9 +385,33 @@ def build_parser(
 
     info = commands.add_parser(
         "info",
-        help="versions, array backends and compiled kernels, and why one is unavailable",
+        help="versions, array backends and compiled kernels (and their compile cache), and "
+        "why one is unavailable",
     )
     add_format(info, ("table", "json"))
-    for name, sub in (("demo", demo), ("accuracy", accuracy), ("bench", bench), ("info", info)):
+
+    compile_ = commands.add_parser(
+        "compile",
+        help="compile the kernels of typical calls now, into the compile cache (for "
+        "containers and read-only installs)",
+        description="Compile (or load from the compile cache) the Numba kernels the README's "
+        "examples and typical calls use, on NumPy arrays, and print the seconds each took. "
+        "Later processes load them from the cache instead of compiling on their first call. "
+        "The cache directory is the one `linattn info` shows (LINATTN_NUMBA_CACHE or "
+        "NUMBA_CACHE_DIR choose another).",
+    )
+    compile_.add_argument(
+        "--dtypes",
+        type=_choice_list(("float32", "float64")),
+        default=["float32", "float64"],
+        metavar="LIST",
+        help="comma-separated subset of float32,float64 (default: both)",
+    )
+    add_format(compile_, ("table", "json"))
+    commands_ = (
+        ("demo", demo), ("accuracy", accuracy), ("bench", bench), ("info", info),
+        ("compile", compile_),
+    )  # fmt: skip
+    for name, sub in commands_:
         sub.set_defaults(run=run[name], parser=sub)
     return parser
