@@ -80,10 +80,10 @@ def is_jax_array(x: object) -> bool:
 
 def is_array(x: object) -> bool:
     """True for an array of any array-API library (``array_api_compat.is_array_api_obj``)."""
-    if is_torch_array(x):
-        return True
     if x is None or type(x) in (bool, int, float, complex):
         return False
+    if is_torch_array(x) or isinstance(x, (np.ndarray, np.generic)):  # (Dynamo: no X | Y)
+        return not isinstance(x, np.matrix)
     return array_api_compat.is_array_api_obj(x)
 
 
