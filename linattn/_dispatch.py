@@ -392,9 +392,21 @@ def hybrid_kernel_why_not(x: Array) -> str | None:
     """Why the one-pass hybrid kernels cannot take arrays like ``x``, or ``None``."""
     if library_of(x) != "numpy":
         return "the one-pass hybrid kernels take NumPy arrays"
+    return numpy_kernels_why_not()
+
+
+def numpy_kernels_why_not() -> str | None:
+    """Why the compiled kernels NumPy arrays get (the hybrid and window passes) cannot
+    run here, or ``None``."""
     if resolve_backend(None) == "array_api":
         return f"${ENVIRONMENT_VARIABLE}=array_api"
-    return None if hybrid_kernel_for(x) is not None else "linattn_numba cannot be imported"
+    if not NUMBA_INSTALLED:  # a constant: no failing import inside a compiled region
+        return "numba is not installed; install linattn[numba]"
+    try:
+        from linattn_numba.cpu import hybrid as _hybrid  # noqa: F401
+    except ImportError as error:
+        return f"linattn_numba cannot be imported ({error}); install linattn[numba]"
+    return None
 
 
 def decode_kernel() -> Callable[..., Any] | None:

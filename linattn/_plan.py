@@ -33,6 +33,7 @@ from linattn.executors import (
     hybrid_parts,
     hybrid_window_fused,
     portable,
+    torch_kernels,
 )
 from linattn.features import FeatureMap
 from linattn.state import LinearAttentionState
@@ -130,6 +131,16 @@ def _exact_parts_why_not(call: Call) -> str | None:
     return None if call.exact_parts else "no window, sink keys or exact keys"
 
 
+def _torch_kernels_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
+    """Torch CPU tensors with exact parts, through the compiled kernels their NumPy twin
+    gets (custom operators, forward and backward)."""
+    if (why := _exact_parts_why_not(call)) is not None:
+        return why
+    if _asked_backend(call) == "array_api":
+        return "backend='array_api'"
+    return torch_kernels.why_not(call)
+
+
 def _hybrid_causal_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
     """Causal window, sinks and fused far keys in one compiled pass."""
     if (why := _exact_parts_why_not(call)) is not None:
@@ -200,6 +211,7 @@ def _always(call: Call, scan: _dispatch.Plan) -> str | None:
 EXECUTORS: tuple[tuple[str, Callable[[Call, _dispatch.Plan], str | None], Executor], ...] = (
     ("decode", _decode_why_not, decode.run),
     ("dask-scan", _dask_why_not, dask_scan.run),
+    ("torch-kernels", _torch_kernels_why_not, torch_kernels.run),
     ("hybrid-causal-fused", _hybrid_causal_why_not, hybrid_causal_fused.run),
     ("hybrid-window-fused", _hybrid_window_why_not, hybrid_window_fused.run),
     ("hybrid-global-fused", _hybrid_global_why_not, hybrid_global_fused.run),
