@@ -132,13 +132,32 @@ def _exact_parts_why_not(call: Call) -> str | None:
 
 
 def _torch_kernels_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Torch CPU tensors with exact parts, through the compiled kernels their NumPy twin
-    gets (custom operators, forward and backward)."""
+    """Torch CPU tensors with exact parts, through the compiled kernels the same call on
+    NumPy arrays gets (custom operators, forward and backward)."""
     if (why := _exact_parts_why_not(call)) is not None:
         return why
     if _asked_backend(call) == "array_api":
         return "backend='array_api'"
-    return torch_kernels.why_not(call)
+    if call.state is not None or call.return_state is not False:
+        return "a state is asked for or continued (decoding runs on the tensors)"
+    if not isinstance(call.sink_keys, int):
+        return "sink_keys is not an int"
+    # Read from types, devices, shapes and dtypes only: no array is made (the plan runs
+    # inside torch.compile's tracing, which would trace NumPy calls too).
+    arrays = {"q": call.q, "k": call.k, "v": call.v}
+    masks = {"key_mask": call.key_mask, "exact_key_mask": call.exact_key_mask}
+    for name, x in {**arrays, **masks}.items():
+        if x is None:
+            continue
+        if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
+            return "not torch CPU tensors"
+        if not all(isinstance(n, int) for n in x.shape):
+            return "symbolic shapes (torch.compile with dynamic shapes)"
+        dtype = str(x.dtype).removeprefix("torch.")
+        expected = ("float32", "float64") if name in arrays else ("bool",)
+        if dtype not in expected:
+            return f"{name} is {dtype} (the kernels take {' or '.join(expected)})"
+    return _dispatch.numpy_kernels_why_not()
 
 
 def _hybrid_causal_why_not(call: Call, scan: _dispatch.Plan) -> str | None:

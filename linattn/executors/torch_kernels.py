@@ -26,38 +26,12 @@ from linattn import _dispatch
 from linattn._call import Call, exact_parts_vjp
 from linattn.features import FeatureMap
 
-__all__ = ["run", "why_not"]
+__all__ = ["run"]
 
 #: Feature maps by fingerprint, and the plan's sub-call runner (see the module docstring).
 _MAPS: dict[str, FeatureMap] = {}
 _RUNNER: list[Callable[[Call], Any]] = []
 _OPERATORS: list[Any] = []
-
-_FLOATS = ("float32", "float64")
-
-
-def why_not(call: Call) -> str | None:
-    """Why the tensors of ``call`` (one with exact parts) cannot take the detour through
-    NumPy views, or ``None``: read from their types, devices, shapes and dtypes only (no
-    array is made: the plan runs inside ``torch.compile``'s tracing)."""
-    if call.state is not None or call.return_state is not False:
-        return "a state is asked for or continued (decoding runs on the tensors)"
-    if not isinstance(call.sink_keys, int):
-        return "sink_keys is not an int"
-    arrays = {"q": call.q, "k": call.k, "v": call.v}
-    masks = {"key_mask": call.key_mask, "exact_key_mask": call.exact_key_mask}
-    for name, x in {**arrays, **masks}.items():
-        if x is None:
-            continue
-        if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
-            return "not torch CPU tensors"
-        if not all(isinstance(n, int) for n in x.shape):
-            return "symbolic shapes (torch.compile with dynamic shapes)"
-        dtype = str(x.dtype).removeprefix("torch.")
-        expected = _FLOATS if name in arrays else ("bool",)
-        if dtype not in expected:
-            return f"{name} is {dtype} (the kernels take {' or '.join(expected)})"
-    return _dispatch.numpy_kernels_why_not()
 
 
 def run(call: Call, plan: Any, sub_call: Callable[[Call], Any]) -> tuple[Any, None]:
