@@ -18,11 +18,8 @@ from linattn.torch import FastAttention, MultiheadAttention  # noqa: E402
 B, H, L, D = 2, 3, 20, 8
 
 
-#: Dynamo warns when it traces array-api-compat's lru_cache'd type checks (their result
-#: depends only on the type, so tracing through the cache is exact).
-#: Dynamo also reads ``.grad`` of the non-leaf tensors it is handed (torch's own warning).
+#: Dynamo reads ``.grad`` of the non-leaf tensors it is handed (torch's own warning).
 def UNDER_DYNAMO(test):  # type: ignore[no-untyped-def]
-    test = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools")(test)
     return pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not")(test)
 
 

@@ -87,11 +87,6 @@ def test_compiles_without_graph_breaks() -> None:
     torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
 
-# Dynamo traces array_api_compat's lru_cache-wrapped type tests and warns (as in
-# tests/test_torch_ops.py): harmless, their results depend on types only.
-@pytest.mark.filterwarnings(
-    "ignore:Dynamo detected a call to a .functools.lru_cache.-wrapped function:UserWarning"
-)
 def test_front_door_compiles_without_graph_breaks_or_warnings() -> None:
     """``linear_attention`` itself (the map's projection becomes a tensor inside the
     compiled region: no copy-construct warning, which ``filterwarnings = error`` raises)."""

@@ -19,12 +19,6 @@ fcb = pytest.importorskip("linattn_numba.cpu.fused_causal_backward")
 from linattn_numba import _machinery  # noqa: E402
 from linattn_numba import torch_ops as _torch  # noqa: E402
 
-# Dynamo traces array_api_compat's lru_cache-wrapped type tests and warns (as in
-# tests/test_torch_ops.py): harmless, their results depend on types only.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Dynamo detected a call to a .functools.lru_cache.-wrapped function:UserWarning"
-)
-
 #: float64 against float64 autograd of the array-API path: the same sums in another
 #: order (a few ulp per product, a few hundred terms), relative to each head's largest
 #: entry; float32 against float64 is bounded by float32 rounding of those sums.

@@ -25,12 +25,6 @@ pytest.importorskip("numba")
 import linattn as la  # noqa: E402
 from linattn_numba import torch_ops as ops  # noqa: E402
 
-# Dynamo traces array_api_compat's lru_cache-wrapped type tests (``is_numpy_namespace``
-# and others: pure functions of a type) and warns that it ignores the cache; harmless.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Dynamo detected a call to a .functools.lru_cache.-wrapped function:UserWarning"
-)
-
 F64 = torch.float64
 # Kernel and array-API path in float64: the same sums in another order.
 RTOL, ATOL = 1e-10, 1e-12
