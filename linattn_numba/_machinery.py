@@ -193,8 +193,9 @@ def _log_compilation(dispatcher: Any, sig: Any, before: tuple[int, int], seconds
     func = dispatcher.py_func
     kernel = f"{func.__module__.removeprefix('linattn_numba.')}.{func.__name__}"
     variant = "parallel" if dispatcher.targetoptions.get("parallel") else "serial"
-    dtypes = [str(arg.dtype) for arg in getattr(sig, "args", sig) if hasattr(arg, "dtype")]
-    dtype = dtypes[0] if dtypes else ""
+    types_ = [getattr(arg, "dtype", arg) for arg in getattr(sig, "args", sig)]
+    floats = [str(t) for t in types_ if isinstance(t, numba.types.Float)]
+    dtype = floats[0] if floats else ""  # (the first float array's or number's)
     logger.debug(
         "%s %s (%s, %s) in %.2f s", source, kernel, variant, dtype, seconds,
         extra={

@@ -53,8 +53,12 @@ def test_demo_writes_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFixt
             "1",
         ]
     )
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert status == 0
+    # Not a terminal: progress as lines on standard error (a pipe shows them as they come).
+    assert "accuracy vs m: 0/8\n" in captured.err
+    assert "time and memory vs L: 8/8 " in captured.err
     for name in ("accuracy.png", "bench.png", "demo.png"):
         assert _is_png(out / name), name
     for heading in ("Attention output MSE", "Bidirectional", "Causal", "Crossover"):
@@ -197,6 +201,41 @@ def test_info(capsys: pytest.CaptureFixture[str]) -> None:
     numpy_row = next(r for r in payload["backends"] if r["backend"] == "numpy")
     assert numpy_row["available"] == "yes"
     assert payload["versions"]["numpy"] == np.__version__
+
+
+def test_compile_reports_each_kernel(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``linattn compile`` runs its calls and reports each kernel compiled (here one small
+    kernel of the test's own, uncached: compiled on the first run, not on the second)."""
+    pytest.importorskip("numba")
+    from linattn.cli import _compile
+    from linattn_numba import _cache, _machinery
+
+    monkeypatch.setattr(_machinery, "CACHE_SETTING", _cache.Setting(None, "off (test)"))
+
+    def double(x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    kernel = _machinery.jit()(double)
+    monkeypatch.setattr(_compile, "CALLS", {"tiny call": lambda q, k, v, fm: kernel(q)})
+    monkeypatch.setattr(_compile, "SIZES", {"small": (1, 1, 4, 2, 2)})
+    assert cli.main(["compile", "--dtypes", "float64", "--format", "json"]) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)
+    assert payload["kernels"].startswith("available; threading layer")
+    (row,) = payload["calls"]
+    assert (row["call"], row["size"], row["dtype"]) == ("tiny call", "small", "float64")
+    (compiled,) = row["kernels"]
+    assert compiled["kernel"].endswith("double")
+    assert (compiled["variant"], compiled["dtype"], compiled["source"]) == (
+        "serial", "float64", "compiled"
+    )  # fmt: skip
+    assert "tiny call (small size): " in captured.err  # (progress, flushed)
+    assert cli.main(["compile", "--dtypes", "float64"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "tiny call (small size): " in printed
+    assert "0 kernels compiled (0.0 s), 0 loaded from the cache" in printed
 
 
 def test_python_dash_m() -> None:

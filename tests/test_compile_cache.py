@@ -7,12 +7,14 @@ Programs that import the kernels run in a subprocess: the setting is read at imp
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("numba")
@@ -191,3 +193,31 @@ def test_processes_compiling_at_once_share_the_cache(tmp_path: Path) -> None:
     notices = sorted(err.count("linattn: compiling the Numba kernels") for _, err in results)
     assert notices == [0, 0, 0, 1], results
     assert len(list(cache.rglob("chunks.running_max-*.nbc"))) == 1
+
+
+def test_each_compilation_is_logged_and_the_first_noticed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One record per outermost compilation (what ``linattn compile`` reports), and the
+    one-line notice before the first compilation of the process."""
+    monkeypatch.setattr(_machinery, "CACHE_SETTING", _cache.Setting(None, "off (test)"))
+    monkeypatch.setitem(_machinery._NOTICE, "given", False)
+
+    def twice(x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    twice.__module__ = "linattn_numba.test"  # (the notice is for the kernels only)
+    kernel = _machinery.jit()(twice)
+    with caplog.at_level(logging.DEBUG, logger="linattn.numba"):
+        assert kernel(np.float32(2)) == 4
+        assert kernel(np.float32(3)) == 6  # (compiled already: no record)
+    records = [r for r in caplog.records if r.name == "linattn.numba"]
+    notice, compiled = records
+    assert notice.levelno == logging.WARNING
+    assert "compiling the Numba kernels" in notice.getMessage()
+    assert "compile cache off (test): every process compiles again" in notice.getMessage()
+    fields = {k: getattr(compiled, k) for k in ("kernel", "variant", "dtype", "source")}
+    assert fields == {"kernel": "test.twice", "variant": "serial", "dtype": "float32",
+                      "source": "compiled"}  # fmt: skip
+    assert compiled.levelno == logging.DEBUG
+    assert 0 < compiled.seconds < 600

@@ -102,39 +102,36 @@ def _recording() -> Iterator[_Records]:
         logger.setLevel(level)
 
 
-def warm_up(
-    dtypes: list[str], sizes: dict[str, tuple[int, ...]] | None = None
-) -> list[dict[str, Any]]:
-    """Run every call of :data:`CALLS` at each size of ``sizes`` (default :data:`SIZES`) in
-    each of ``dtypes``; one row per call: its seconds and the kernels it compiled or loaded
+def warm_up(dtype: str) -> Iterator[dict[str, Any]]:
+    """Run every call of :data:`CALLS` at each size of :data:`SIZES` in ``dtype``; yields
+    one row per call when it is done: its seconds and the kernels it compiled or loaded
     (``kernel``, ``variant``, ``dtype``, ``source``, ``seconds``).
 
     Examples
     --------
-    >>> rows = warm_up(["float64"], {"tiny": (1, 1, 4, 2, 2)})  # doctest: +SKIP
-    >>> rows[0]["call"], rows[0]["size"]  # doctest: +SKIP
-    ('causal', 'tiny')
+    >>> list(CALLS)[:3]
+    ['causal', 'causal, prefill + decoding step', 'bidirectional']
+    >>> row = next(warm_up("float64"))  # doctest: +SKIP
+    >>> row["call"], row["size"], row["dtype"]  # doctest: +SKIP
+    ('causal', 'README', 'float64')
     """
-    rows = []
-    for dtype in dtypes:
-        for size, (batch, heads, length, d, m) in (sizes or SIZES).items():
-            rng = np.random.default_rng(0)
-            shape = (batch, heads, length, d)
-            q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
-            fm = la.FeatureMap(d, m, kind="hyperbolic", seed=0)
-            for name, call in CALLS.items():
-                with _recording() as log:
-                    start = time.perf_counter()
-                    call(q, k, v, fm)
-                    seconds = time.perf_counter() - start
-                kernels = [
-                    {key: getattr(r, key) for key in ("kernel", "variant", "dtype", "source")}
-                    | {"seconds": round(float(getattr(r, "seconds", 0.0)), 3)}
-                    for r in log.records
-                ]
-                row = {"call": name, "size": size, "dtype": dtype, "seconds": round(seconds, 3)}
-                rows.append(row | {"kernels": kernels})
-    return rows
+    for size, (batch, heads, length, d, m) in SIZES.items():
+        rng = np.random.default_rng(0)
+        shape = (batch, heads, length, d)
+        q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+        fm = la.FeatureMap(d, m, kind="hyperbolic", seed=0)
+        for name, call in CALLS.items():
+            with _recording() as log:
+                start = time.perf_counter()
+                call(q, k, v, fm)
+                seconds = time.perf_counter() - start
+            kernels = [
+                {key: getattr(r, key) for key in ("kernel", "variant", "dtype", "source")}
+                | {"seconds": round(float(getattr(r, "seconds", 0.0)), 3)}
+                for r in log.records
+            ]
+            row = {"call": name, "size": size, "dtype": dtype, "seconds": round(seconds, 3)}
+            yield row | {"kernels": kernels}
 
 
 def compile_kernels(args: argparse.Namespace) -> int:
@@ -150,7 +147,7 @@ def compile_kernels(args: argparse.Namespace) -> int:
     rows = []
     for dtype in args.dtypes:
         console.print(f"compiling for {dtype} ...")
-        for row in warm_up([dtype]):
+        for row in warm_up(dtype):
             rows.append(row)
             compiled = sum(k["source"] == "compiled" for k in row["kernels"])
             console.print(
