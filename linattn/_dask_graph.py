@@ -351,8 +351,8 @@ def _layout(
 ) -> _Inputs:
     """Checked Dask inputs broadcast to ``info.batch_shape``, cast to ``dtype`` and chunked
     consistently."""
-    import dask
     import dask.array as da
+    from dask.delayed import delayed
 
     batch = info.batch_shape
 
@@ -374,7 +374,7 @@ def _layout(
     # Padding may hold anything (NaN, inf): a masked key's zero weight times a NaN or inf
     # value is still NaN in its chunk state, and inf keys make NaN features; zero both.
     k, v = drop_masked_keys(array_namespace(k), k, v, mask)
-    spec = dask.delayed(feature_map, name=f"linattn-feature-map-{feature_map.fingerprint}")
+    spec = delayed(feature_map, name=f"linattn-feature-map-{feature_map.fingerprint}")
     work = compute_dtype(np, np.dtype(info.dtype))
     return _Inputs(q, k, v, mask, info, work, spec, feature_map.num_features)
 

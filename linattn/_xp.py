@@ -244,10 +244,13 @@ def to_host(x: Array) -> np.ndarray:
     """A NumPy copy of any array (detached from autograd, moved to the host)."""
     if isinstance(x, np.ndarray):
         return x
+    host: np.ndarray
     if is_torch_array(x):
-        return x.detach().cpu().numpy()
+        host = x.detach().cpu().numpy()
+        return host
     if is_cupy_array(x):
-        return x.get()
+        host = x.get()
+        return host
     if is_dask_array(x):
         return np.asarray(x.compute())
     try:

@@ -186,8 +186,7 @@ class FeatureMap:
                 f"num_features must equal head_dim for the deterministic kind {kind!r}; "
                 f"got num_features={num_features}, head_dim={head_dim}"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
+        _check_seed(seed)
         if not isinstance(orthogonal, bool | np.bool_):
             raise TypeError(f"orthogonal must be True or False; got {orthogonal!r}")
         projection = None
@@ -787,3 +786,9 @@ def _check_rebalance_scales(scales: Any, head_dim: int) -> np.ndarray:
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+def _check_seed(seed: object) -> None:
+    """(``object``: the annotation says what a caller should pass, not what it did.)"""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")

@@ -85,9 +85,8 @@ def gaussian_projection(
     >>> bool(np.allclose(block @ block.T, np.eye(4)))
     True
     """
-    for name, value in (("num_rows", num_rows), ("dim", dim)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    _check_integer("num_rows", num_rows, 1)
+    _check_integer("dim", dim, 1)
     if num_rows * dim > MAX_PROJECTION_SIZE:
         raise ValueError(
             f"num_rows x dim must be at most {MAX_PROJECTION_SIZE} (a "
@@ -97,8 +96,7 @@ def gaussian_projection(
         raise TypeError(f"orthogonal must be True or False; got {orthogonal!r}")
     if norms not in ("chi", "fixed"):
         raise ValueError(f"norms must be 'chi' or 'fixed'; got {norms!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
+    _check_integer("seed", seed, 0)
     rng = np.random.default_rng(seed)
     if orthogonal:
         num_blocks = -(-num_rows // dim)
@@ -112,3 +110,10 @@ def gaussian_projection(
     if norms == "fixed":
         lengths = np.full(num_rows, np.sqrt(dim))
     return np.ascontiguousarray(directions * lengths[:, np.newaxis])
+
+
+def _check_integer(name: str, value: object, low: int) -> None:
+    """(``object``: the annotation says what a caller should pass, not what it did.)"""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        kind = "positive" if low == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} integer; got {value!r}")

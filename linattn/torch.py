@@ -96,13 +96,12 @@ class FastAttention(nn.Module):
         super().__init__()
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be True or False; got {causal!r}")
-        if redraw_interval is not None and (
-            isinstance(redraw_interval, bool)
-            or not isinstance(redraw_interval, int)
-            or redraw_interval < 1
+        interval: object = redraw_interval  # (what was given: the annotation says what to give)
+        if interval is not None and (
+            isinstance(interval, bool) or not isinstance(interval, int) or interval < 1
         ):
             raise ValueError(
-                f"redraw_interval must be a positive integer or None; got {redraw_interval!r}"
+                f"redraw_interval must be a positive integer or None; got {interval!r}"
             )
         kind = kind if kind is not None else ("hyperbolic" if causal else "hyperbolic_oprf")
         rebalance = (not causal) if rebalance is None else rebalance
@@ -226,7 +225,8 @@ class FastAttention(nn.Module):
         if return_state:
             out, new_state = result
             return ungroup(out), new_state
-        return ungroup(result)
+        output: torch.Tensor = ungroup(result)
+        return output
 
     # -- the schedule, outside any compiled region -----------------------------------
 

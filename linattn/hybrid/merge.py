@@ -82,7 +82,8 @@ def banded_partial(
     """
     kernel = _dispatch.window_kernel_for(q)
     if kernel is not None:
-        return kernel.banded_partial(q, keys, values, keep, span, scale)
+        partial: tuple[Array, Array] = kernel.banded_partial(q, keys, values, keep, span, scale)
+        return partial
     band = Band.of(xp, q, keys, values, keep, span)
     logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * scale
     rows, top = softmax_partial(xp, logits, band.visible, band.values)

@@ -149,7 +149,8 @@ def cls_sep_mask(key_mask: np.ndarray) -> np.ndarray:
     exact = np.zeros(key_mask.shape, dtype=bool)
     exact[:, 0] = True
     exact[np.arange(len(key_mask)), key_mask.sum(axis=1) - 1] = True
-    return (exact & key_mask)[:, None, :]
+    mask: np.ndarray = (exact & key_mask)[:, None, :]
+    return mask
 
 
 def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
@@ -206,7 +207,8 @@ def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
             extra["window"] = config.window
         if config.sinks:
             extra.update(sink_keys=1, exact_key_mask=cls_sep_mask(key_mask))
-        return la.linear_attention(q, k, v, fm, key_mask=mask, **extra)
+        out: np.ndarray = la.linear_attention(q, k, v, fm, key_mask=mask, **extra)
+        return out
 
     return attention
 

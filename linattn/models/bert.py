@@ -64,18 +64,21 @@ def exact_attention(
     logits = (q @ np.swapaxes(k, -1, -2)) / np.float32(math.sqrt(q.shape[-1]))
     logits = np.where(key_mask[:, None, None, :], logits, np.float32(-np.inf))
     weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    out: np.ndarray = (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    return out
 
 
 def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     centred = x - mean
     variance = np.mean(centred * centred, axis=-1, keepdims=True)
-    return centred / np.sqrt(variance + np.float32(eps)) * weight + bias
+    out: np.ndarray = centred / np.sqrt(variance + np.float32(eps)) * weight + bias
+    return out
 
 
 def _gelu(x: np.ndarray) -> np.ndarray:
-    return (0.5 * x * (1.0 + erf(x / np.float32(math.sqrt(2.0))))).astype(np.float32)
+    out: np.ndarray = (0.5 * x * (1.0 + erf(x / np.float32(math.sqrt(2.0))))).astype(np.float32)
+    return out
 
 
 class BertEncoder:
@@ -186,7 +189,8 @@ class BertEncoder:
         weights = key_mask[..., None].astype(np.float32)
         pooled = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
         norm = np.linalg.norm(pooled, axis=-1, keepdims=True)
-        return pooled / np.maximum(norm, 1e-12)
+        embeddings: np.ndarray = pooled / np.maximum(norm, 1e-12)
+        return embeddings
 
 
 def _names(config: BertConfig) -> list[str]:

@@ -95,7 +95,8 @@ class Tokens:
     @property
     def lengths(self) -> np.ndarray:
         """Tokens each text keeps (``[CLS]`` and ``[SEP]`` included)."""
-        return self.key_mask.sum(axis=1)
+        counts: np.ndarray = self.key_mask.sum(axis=1)
+        return counts
 
     @property
     def truncated(self) -> np.ndarray:
