@@ -110,7 +110,8 @@ def _decode_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
         return "backend='array_api'"
     if state.sink_keys or not isinstance(fm, FeatureMap):
         return "a state with sink keys, or no feature map"
-    if not (call.return_state is True or call.return_state is False):
+    return_state: object = call.return_state  # (as given: typed bool, not checked yet)
+    if not (return_state is True or return_state is False):
         return "return_state is not a bool"
     if not (_numpy(q, k, v, state.kv, state.log_shift) and _numpy_or_none(call.key_mask)):
         return "not NumPy arrays"
