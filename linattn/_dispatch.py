@@ -164,7 +164,7 @@ def _backward_follows(inputs: tuple[Array, ...]) -> bool:
         return False
     import torch
 
-    return torch.is_grad_enabled()
+    return bool(torch.is_grad_enabled())  # (Any where torch is not installed for mypy)
 
 
 def resolve_backend(backend: object) -> Backend:
