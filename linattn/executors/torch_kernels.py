@@ -189,7 +189,7 @@ def _register() -> tuple[Any, Any]:
         schema=f"({arguments}, Tensor grad_output) -> (Tensor, Tensor, Tensor)",
     )(backward)
 
-    @forward_op.register_fake  # type: ignore[misc]
+    @forward_op.register_fake
     def _(q: Tensor, k: Tensor, v: Tensor, key_mask: Any, exact_key_mask: Any, *rest: Any) -> Any:
         shapes = [x.shape[:-2] for x in (q, k, v)]
         shapes += [m.shape[:-1] for m in (key_mask, exact_key_mask) if m is not None]
@@ -197,7 +197,7 @@ def _register() -> tuple[Any, Any]:
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         return q.new_empty((*batch, q.shape[-2], v.shape[-1]), dtype=dtype)
 
-    @backward_op.register_fake  # type: ignore[misc]
+    @backward_op.register_fake
     def _(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> Any:
         return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
