@@ -438,7 +438,8 @@ def _feature_map(
     )  # fmt: skip
     cached = module.__dict__.get("_linattn_feature_map")
     if cached is not None and cached[0] == key:
-        return cached[1]
+        kept: FeatureMap = cached[1]
+        return kept
     kind = settings["kind"] or ("hyperbolic" if causal else "hyperbolic_oprf")
     feature_map = FeatureMap(
         head_dim,
