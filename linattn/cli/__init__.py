@@ -18,7 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from linattn.cli import _commands, _compile, _info, _options
+from linattn.cli import _commands, _compile, _info, _options, _preflight
 from linattn.cli._options import CommandError
 
 __all__ = ["build_parser", "main"]
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         if args.command != "info":
-            _commands.preflight.check_environment()
+            _preflight.check_environment()
         return int(args.run(args))
     except CommandError as error:
         args.parser.print_usage(sys.stderr)

@@ -158,7 +158,8 @@ def _attention_weights(
     weights = phi_q @ phi_k.T
     if causal:
         weights = np.tril(weights)
-    return weights / weights.sum(axis=-1, keepdims=True)
+    normalised: np.ndarray = weights / weights.sum(axis=-1, keepdims=True)
+    return normalised
 
 
 def _exact_weights(q: np.ndarray, k: np.ndarray, scale: float, causal: bool) -> np.ndarray:
@@ -166,7 +167,8 @@ def _exact_weights(q: np.ndarray, k: np.ndarray, scale: float, causal: bool) -> 
     if causal:
         logits = np.where(np.tri(len(q), len(k), dtype=bool), logits, -np.inf)
     weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True)
+    normalised: np.ndarray = weights / weights.sum(axis=-1, keepdims=True)
+    return normalised
 
 
 def accuracy_study(

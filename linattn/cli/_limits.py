@@ -101,7 +101,8 @@ def _log_squared_norms(z: np.ndarray, log_scale: np.ndarray) -> np.ndarray:
     top = logs.max(axis=-1, keepdims=True)
     top = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(divide="ignore"):
-        return (top + np.log(np.exp(logs - top).sum(axis=-1, keepdims=True)))[..., 0]
+        norms: np.ndarray = (top + np.log(np.exp(logs - top).sum(axis=-1, keepdims=True)))[..., 0]
+    return norms
 
 
 def log_exponent(length: int, head_dim: int, scale: float, anisotropy: float, seed: int) -> float:

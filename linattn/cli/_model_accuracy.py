@@ -18,7 +18,7 @@ from linattn.cli._options import CommandError
 __all__ = ["cosine_table", "layer_table", "plot_model_accuracy", "run"]
 
 
-def _cell(value: float, digits: int = 3) -> str:
+def _cell(value: float | None, digits: int = 3) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
