@@ -340,7 +340,11 @@ def _causal_fused_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor,
 
 
 def _causal_fused_grads(
-    ctx: Any, d_out: Tensor, d_kv: Tensor, _d_log_shift: Tensor | None, d_lse: Tensor
+    ctx: Any,
+    d_out: Tensor | None,
+    d_kv: Tensor | None,
+    _d_log_shift: Tensor | None,
+    d_lse: Tensor | None,
 ) -> tuple[Tensor | None, ...]:
     q, k, v, projection, key_mask, kv, log_shift, out = ctx.saved_tensors
     hyperbolic, scale, chunk_size = ctx.options
