@@ -32,7 +32,9 @@ PYTHON = "3.11"
 #: Modules that import a framework (or the models extra): doctested in their sessions.
 FRAMEWORK_MODULES = ("torch.py", "flax.py", "integrations", "models")
 TORCH = "torch==2.13.0"
-TEST = ("pytest>=8", "hypothesis>=6.100", "array-api-strict>=2.2")
+#: The dependency groups of ``pyproject.toml`` (one list for nox, pip and uv).
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+TEST = nox.project.dependency_groups(PYPROJECT, "test")
 #: Under CI (``CI`` set, as ``.ci/run`` does) each session's virtualenv is deleted when the
 #: session ends: the default set's environments take about 12 GB together, one at a time
 #: at most 2 GB.
@@ -111,13 +113,15 @@ def _test(
 
 @session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format), mypy, and the layers (import-linter's contracts in
-    ``pyproject.toml``; ``tests/test_structure.py`` checks private names and cycles)."""
-    session.install("-e", ".", "ruff>=0.6", "mypy>=1.10", "numpy", "import-linter>=2.1")
+    """ruff (lint and format), mypy (strict), the layers (import-linter's contracts in
+    ``pyproject.toml``; ``tests/test_structure.py`` checks private names and cycles) and
+    codespell: the tools of ``.pre-commit-config.yaml``, with the same settings."""
+    session.install("-e", ".", *nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("mypy")
+    session.run("mypy")  # linattn strict; the kernels' narrower settings in pyproject.toml
     session.run("lint-imports")
+    session.run("codespell")
 
 
 @session
@@ -241,7 +245,8 @@ def docs(session: nox.Session) -> None:
     The ``linattn`` command (``cli`` extra) is tested here, where its dependencies are
     installed; the README's examples run in ``tests/test_cli.py`` too.
     """
-    session.install("-e", ".[numba,cli,dask]", "-r", "docs/requirements.txt")
+    docs = nox.project.dependency_groups(PYPROJECT, "docs")
+    session.install("-e", ".[numba,cli,dask]", *docs, "-r", "docs/requirements.txt")
     session.run("pytest", "tests/test_cli.py", "-p", "no:cacheprovider")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     session.run(
