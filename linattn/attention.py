@@ -131,6 +131,25 @@ def linear_attention(
     exact_key_mask: Array | None = ...,
     scale: float | None = ...,
 ) -> tuple[Array, LinearAttentionState]: ...
+@overload
+def linear_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    /,
+    feature_map: FeatureMap | None,
+    *,
+    causal: bool = ...,
+    key_mask: Array | None = ...,
+    state: LinearAttentionState | None = ...,
+    return_state: bool,
+    chunk_size: int | None = ...,
+    backend: Backend | None = ...,
+    window: int | None = ...,
+    sink_keys: int = ...,
+    exact_key_mask: Array | None = ...,
+    scale: float | None = ...,
+) -> Array | tuple[Array, LinearAttentionState]: ...
 def linear_attention(
     q: Array,
     k: Array,

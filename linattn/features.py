@@ -144,9 +144,9 @@ class FeatureMap:
 
     head_dim: int
     num_features: int
-    kind: str
+    kind: Kind
     orthogonal: bool
-    norms: str
+    norms: Norms
     scale: float
     seed: int | None
     rebalance: bool
@@ -215,9 +215,9 @@ class FeatureMap:
         *,
         head_dim: int,
         num_features: int,
-        kind: str,
+        kind: Kind,
         orthogonal: bool,
-        norms: str,
+        norms: Norms,
         scale: float | None,
         seed: int | None,
         projection: np.ndarray | None,
@@ -362,9 +362,9 @@ class FeatureMap:
         fresh = FeatureMap(
             self.head_dim,
             self.num_features,
-            kind=self.kind,  # type: ignore[arg-type]
+            kind=self.kind,
             orthogonal=self.orthogonal,
-            norms=self.norms,  # type: ignore[arg-type]
+            norms=self.norms,
             scale=self.scale,
             seed=seed,
             rebalance=self.rebalance,

@@ -18,7 +18,7 @@ from flax import nnx
 
 from linattn._gqa import grouped
 from linattn.attention import linear_attention
-from linattn.features import KINDS, FeatureMap
+from linattn.features import KINDS, FeatureMap, Kind
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState
 
@@ -50,7 +50,7 @@ class FastAttention(nnx.Module):
         head_dim: int,
         num_features: int = 256,
         *,
-        kind: str | None = None,
+        kind: Kind | None = None,
         causal: bool = False,
         seed: int = 0,
         orthogonal: bool = True,
@@ -63,7 +63,7 @@ class FastAttention(nnx.Module):
         self.feature_map = FeatureMap(
             head_dim,
             num_features,
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             orthogonal=orthogonal,
             scale=scale,
             seed=seed,
@@ -97,7 +97,7 @@ class FastAttention(nnx.Module):
             causal=self.causal,
             key_mask=key_mask,
             state=state,
-            return_state=return_state,  # type: ignore[call-overload]
+            return_state=return_state,
             chunk_size=self.chunk_size,
         )
         if return_state:
@@ -127,7 +127,7 @@ class FastAttention(nnx.Module):
             return
         adopted = FeatureMap.from_projection(
             np.asarray(self.projection.get_value(), dtype=np.float64),
-            kind=fm.kind,  # type: ignore[arg-type]
+            kind=fm.kind,
             scale=fm.scale,
         )
         self.feature_map = adopted._replace(rebalance=fm.rebalance)

@@ -19,10 +19,11 @@ from torch import nn
 from torch.nn import functional
 
 from linattn._call import hybrid_options
+from linattn._dispatch import Backend
 from linattn._gqa import grouped
 from linattn.attention import linear_attention
-from linattn.features import KINDS, FeatureMap
-from linattn.projections import gaussian_projection
+from linattn.features import KINDS, FeatureMap, Kind
+from linattn.projections import Norms, gaussian_projection
 from linattn.state import LinearAttentionState
 
 __all__ = ["FastAttention", "MultiheadAttention"]
@@ -80,18 +81,18 @@ class FastAttention(nn.Module):
         head_dim: int,
         num_features: int = 256,
         *,
-        kind: str | None = None,
+        kind: Kind | None = None,
         causal: bool = False,
         window: int | None = None,
         sink_keys: int = 0,
         redraw_interval: int | None = None,
         seed: int = 0,
         orthogonal: bool = True,
-        norms: str = "chi",
+        norms: Norms = "chi",
         scale: float | None = None,
         rebalance: bool | None = None,
         chunk_size: int | None = None,
-        backend: str | None = None,
+        backend: Backend | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(causal, bool):
@@ -109,9 +110,9 @@ class FastAttention(nn.Module):
         template = FeatureMap(
             head_dim,
             num_features,
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             orthogonal=orthogonal,
-            norms=norms,  # type: ignore[arg-type]
+            norms=norms,
             scale=scale,
             seed=seed,
             rebalance=rebalance and KINDS[kind][0],
@@ -177,7 +178,7 @@ class FastAttention(nn.Module):
                 rows,
                 self.head_dim,
                 orthogonal=self.orthogonal,
-                norms=self.norms,  # type: ignore[arg-type]
+                norms=self.norms,
                 seed=self.seed + draws + 1,
             )
             self.projection.copy_(torch.from_numpy(fresh))
@@ -217,7 +218,7 @@ class FastAttention(nn.Module):
                 causal=self.causal if causal is None else causal,
                 key_mask=key_mask,
                 state=state,
-                return_state=return_state,  # type: ignore[call-overload]
+                return_state=return_state,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
                 **self.hybrid,
@@ -246,7 +247,7 @@ class FastAttention(nn.Module):
         if self.projection is not None:
             adopted = FeatureMap.from_projection(
                 self.projection.detach().to(torch.float64).cpu().numpy(),
-                kind=self.kind,  # type: ignore[arg-type]
+                kind=self.kind,
                 scale=self.scale,
             )
             # from_projection makes unrebalanced maps; the layer's option carries over.

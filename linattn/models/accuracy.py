@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 import linattn as la
+from linattn.features import Kind
 from linattn.models.bert import Attention, exact_attention
 from linattn.models.minilm import SentenceModel, Tokens
 
@@ -84,7 +85,7 @@ class Config:
     """
 
     family: str
-    kind: str | None = None
+    kind: Kind | Literal["uniform"] | None = None
     num_features: int | None = None
     rebalance: bool = False
     window: int | None = None
@@ -112,7 +113,7 @@ class Config:
 
 def default_configs() -> list[Config]:
     """The measured configurations: the issue's grid (see the module docstring)."""
-    estimators = [
+    estimators: list[tuple[Kind, bool]] = [
         ("positive", False),
         ("hyperbolic", False),
         ("oprf", False),
@@ -125,11 +126,12 @@ def default_configs() -> list[Config]:
         for m in (64, 256)
     ]
     windows = (4, 16, 64)
+    hybrids: list[tuple[Kind, bool]] = [("positive", False), ("hyperbolic_oprf", True)]
     configs += [Config("window", window=w) for w in windows]
     configs += [Config("window+sinks", window=w, sinks=True) for w in windows]
     configs += [
         Config("hybrid", kind=kind, num_features=256, rebalance=rebalance, window=w, sinks=True)
-        for kind, rebalance in (("positive", False), ("hyperbolic_oprf", True))
+        for kind, rebalance in hybrids
         for w in windows
     ]
     return configs
@@ -173,6 +175,7 @@ def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
     """
     if config.kind == "uniform":
         return uniform_attention
+    kind = config.kind
     if config.needs_hybrid_api and not hybrid_available():
         raise NotImplementedError(
             f"{config.label} needs linear_attention(window=, sink_keys=, exact_key_mask=), "
@@ -181,13 +184,13 @@ def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
     maps: dict[int, la.FeatureMap] = {}
 
     def feature_map(layer: int) -> la.FeatureMap | None:
-        if config.kind is None or config.num_features is None:
+        if kind is None or config.num_features is None:
             return None
         if layer not in maps:
             maps[layer] = la.FeatureMap(
                 head_dim,
                 config.num_features,
-                kind=config.kind,  # type: ignore[arg-type]
+                kind=kind,
                 rebalance=config.rebalance,
                 seed=seed if config.shared_draw else seed + layer,
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.special import erf
@@ -33,15 +34,15 @@ class BertConfig:
     layer_norm_eps: float
 
     @classmethod
-    def from_json(cls, config: Mapping[str, object]) -> BertConfig:
+    def from_json(cls, config: Mapping[str, Any]) -> BertConfig:
         act = config.get("hidden_act", "gelu")
         if act != "gelu":
             raise ValueError(f"config.json hidden_act must be 'gelu' (exact erf); got {act!r}")
         return cls(
-            hidden_size=int(config["hidden_size"]),  # type: ignore[call-overload]
-            num_heads=int(config["num_attention_heads"]),  # type: ignore[call-overload]
-            num_layers=int(config["num_hidden_layers"]),  # type: ignore[call-overload]
-            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),  # type: ignore[arg-type]
+            hidden_size=int(config["hidden_size"]),
+            num_heads=int(config["num_attention_heads"]),
+            num_layers=int(config["num_hidden_layers"]),
+            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
         )
 
     @property
