@@ -33,6 +33,7 @@ from linattn.executors import (
     hybrid_parts,
     hybrid_window_fused,
     portable,
+    sub_calls,
     torch_kernels,
 )
 from linattn.features import FeatureMap
@@ -291,6 +292,9 @@ def run_call(call: Call) -> Result:
     """A sub-call's output and state (a Dask chunk's attention), through the plan."""
     plan = plan_call(call)
     return _RUN[plan.executor](call, plan, run_call)
+
+
+sub_calls.set_runner(run_call)  # (for the torch operators, which run outside a call)
 
 
 def plan_attention(

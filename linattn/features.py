@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import math
 import secrets
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from linattn._xp import (
 from linattn.calibration import Statistics
 from linattn.projections import MAX_PROJECTION_SIZE, Norms, gaussian_projection
 
-__all__ = ["KINDS", "FeatureMap"]
+__all__ = ["KINDS", "FeatureMap", "feature_map_for"]
 
 Kind = Literal[
     "positive",
@@ -72,7 +73,7 @@ MIN_OPRF_A = -1e4
 Role = Literal["query", "key"]
 
 
-@dataclass(frozen=True, eq=False, init=False, repr=False, slots=True)
+@dataclass(frozen=True, eq=False, init=False, repr=False, slots=True, weakref_slot=True)
 class FeatureMap:
     """An immutable random-feature map for linear attention.
 
@@ -264,6 +265,7 @@ class FeatureMap:
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+        _LIVE[fields["_fingerprint"]] = self
 
     def _fields(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`_assign` that rebuild this map."""
@@ -740,6 +742,28 @@ def _refuse_assignment(self: FeatureMap, name: str, value: object) -> None:
 
 # The frozen dataclass refuses assignment already; this says what to do instead.
 FeatureMap.__setattr__ = _refuse_assignment  # type: ignore[assignment,method-assign]
+
+
+#: Every live map by fingerprint (see :func:`feature_map_for`).
+_LIVE: weakref.WeakValueDictionary[str, FeatureMap] = weakref.WeakValueDictionary()
+
+
+def feature_map_for(fingerprint: str) -> FeatureMap | None:
+    """The live map with ``fingerprint`` (any of equal ones), or ``None``.
+
+    Custom operators take tensors and scalars only: a torch operator that needs a map is
+    passed its fingerprint and finds the map here (registered when it was made, outside
+    any traced code).
+
+    Examples
+    --------
+    >>> import linattn as la
+    >>> from linattn.features import feature_map_for
+    >>> fm = la.FeatureMap(8, 16, seed=0)
+    >>> feature_map_for(fm.fingerprint).fingerprint == fm.fingerprint
+    True
+    """
+    return _LIVE.get(fingerprint)
 
 
 def _restore(fields: dict[str, Any]) -> FeatureMap:

@@ -108,3 +108,22 @@ def test_the_operator_passes_opcheck() -> None:
     arguments = (*leaves, key_mask, exact, fm.fingerprint, False, 3, 1, None, None, None)
     results = torch.library.opcheck(torch.ops.linattn.exact_parts_forward.default, arguments)
     assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_a_fresh_process_compiles_before_any_eager_call() -> None:
+    """The operators register on import, outside the traced code (a registration from
+    inside it fails), and the map is found by its fingerprint."""
+    import subprocess
+    import sys
+
+    program = """
+import torch, linattn as la
+q, k, v = (torch.randn(2, 3, 9, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+fm = la.FeatureMap(8, 16, kind="hyperbolic", seed=0)
+attention = lambda q, k, v: la.linear_attention(q, k, v, fm, window=4, sink_keys=1)
+out = torch.compile(attention, fullgraph=True, backend="aot_eager")(q, k, v)
+expected = la.linear_attention(q, k, v, fm, window=4, sink_keys=1, backend="array_api")
+torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
