@@ -130,6 +130,7 @@ def resolve(environ: Mapping[str, str], numba_cache_dir: str) -> Setting:
             return Setting(
                 None, f"off: {VARIABLE}={value!r} is neither 0, 1 nor an absolute directory"
             )
+    directory = directory.absolute()  # (the process may change its directory later)
     problem = _writable(directory)
     if problem is not None:
         return Setting(None, f"off: {directory} ({reason}) cannot be written: {problem}")

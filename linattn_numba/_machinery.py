@@ -14,14 +14,15 @@ the calling thread.  :func:`choose_variant` picks per call; the serial variant r
 
 This follows numbagg (``numbagg/decorators.py``).
 
-Every kernel uses Numba's on-disk compile cache, in the directory :mod:`linattn_numba._cache`
-resolves (on by default; ``LINATTN_NUMBA_CACHE=0`` turns it off), and compiles under that
-directory's lock.  The serial twin is cached apart from the parallel kernel: Numba keys a
-cache entry by function and signature, not by ``parallel``, so without a name of its own the
-twin would load the parallel kernel from the cache.  Each compilation (or load from the
-cache) of a kernel is logged at ``DEBUG`` on the ``linattn.numba`` logger, with the extra
-attributes ``kernel``, ``variant``, ``dtype``, ``seconds`` and ``source`` (``"compiled"``
-or ``"cache"``); the first compilation in a process logs a one-line notice at ``WARNING``
+Every kernel uses Numba's on-disk compile cache, in the directory that
+:mod:`linattn_numba._cache` resolves (on by default; ``LINATTN_NUMBA_CACHE=0`` turns it
+off); a kernel missing from the cache compiles under that directory's lock.  The serial
+twin is cached apart from the parallel kernel: Numba keys a cache entry by function and
+signature, not by ``parallel``, so without a name of its own the twin would load the
+parallel kernel from the cache.  Each compilation (or load from the cache) of a kernel is
+logged at ``DEBUG`` on the ``linattn.numba`` logger, with the extra attributes ``kernel``,
+``variant``, ``dtype``, ``seconds`` and ``source`` (``"compiled"`` or ``"cache"``); the
+first compilation in a process logs a one-line notice at ``WARNING``
 (``logging.getLogger("linattn").setLevel(logging.ERROR)`` silences it).
 
 Examples
@@ -169,15 +170,18 @@ def _instrument(dispatcher: Any) -> None:
         with global_compiler_lock:  # (what compile_ takes too: one compilation at a time)
             stats = dispatcher.stats
             before = (sum(stats.cache_misses.values()), sum(stats.cache_hits.values()))
-            start = time.perf_counter()
+            start, done = time.perf_counter(), False
             _COMPILING["depth"] += 1
             try:
-                return compile_(sig)
+                entry = compile_(sig)
+                done = True
+                return entry
             finally:
                 _COMPILING["depth"] -= 1
                 if _COMPILING["depth"] == 0:
                     _cache.release()
-                    _log_compilation(dispatcher, sig, before, time.perf_counter() - start)
+                    if done:
+                        _log_compilation(dispatcher, sig, before, time.perf_counter() - start)
 
     dispatcher.compile = compile
 
@@ -222,8 +226,8 @@ class _CompileNotice(_numba_event.Listener):
             else f"compile cache {CACHE_SETTING.reason}: every process compiles again"
         )
         logger.warning(
-            "linattn: compiling the Numba kernels this call needs (up to a minute; %s; "
-            "`linattn compile` compiles them ahead)",
+            "linattn: compiling the Numba kernels this call needs, once (tens of seconds "
+            "or more; %s; `linattn compile` compiles them ahead)",
             where,
         )
 
@@ -288,9 +292,10 @@ def describe_cache() -> str:
     if directory is None:
         return f"compile cache {CACHE_SETTING.reason}"
     megabytes = _cache.size(directory) / 2**20
+    clear = f'rmdir /s /q "{directory}"' if os.name == "nt" else f"rm -rf '{directory}'"
     return (
         f"compile cache on: {directory} ({CACHE_SETTING.reason}; {megabytes:.1f} MB; "
-        f"clear: rm -rf '{directory}'; {CACHE_VARIABLE}=0 turns it off)"
+        f"clear: {clear}; {CACHE_VARIABLE}=0 turns it off)"
     )
 
 
