@@ -106,16 +106,17 @@ def committed_texts(split: str, length: int = TEXT_LENGTH) -> Batch:
     """The split's committed texts, one row each, truncated at ``length`` tokens."""
     texts = load_texts()
     chosen = [
-        (i, text)
-        for i, text in enumerate(texts)
-        if split_of_topic(i // TEXTS_PER_TOPIC) == split
+        (i, text) for i, text in enumerate(texts) if split_of_topic(i // TEXTS_PER_TOPIC) == split
     ]
     ids, mask = _encode([text for _, text in chosen], length)
     return Batch(ids, mask, [f"text{i}" for i, _ in chosen])
 
 
 def main() -> None:
-    for name, builder in (("512-token documents", documents), ("committed texts", committed_texts)):
+    for name, builder in (
+        ("512-token documents", documents),
+        ("committed texts", committed_texts),
+    ):
         print(name)
         for split in SPLITS:
             batch = builder(split)

@@ -48,19 +48,17 @@ Figures, on the TEST split (``benchmarks/documents.py``: split by topic):
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import documents  # noqa: E402
+import documents
 
 CHUNK = 8  # rows per forward chunk
 
@@ -199,8 +197,15 @@ def attention_fn(module, query, key, value, attention_mask, scaling=None, dropou
     if layer in CTX.params:
         p = CTX.params[layer]
         out = combine(
-            None if p == "ws" else p, query, key, value, CTX.mask, CTX.sep, CTX.window,
-            scaling, CTX.mix,
+            None if p == "ws" else p,
+            query,
+            key,
+            value,
+            CTX.mask,
+            CTX.sep,
+            CTX.window,
+            scaling,
+            CTX.mix,
         )
     else:
         out = exact_attention(query, key, value, CTX.mask, scaling)
@@ -278,10 +283,15 @@ def init_params(H, d, m, mix, seed):
     eye = torch.zeros(d, half)
     for j in range(half):
         eye[j % d, j] = 1.0
+
     def w0():
-        return (eye[None].repeat(H, 1, 1) + 0.01 * torch.randn(H, d, half, generator=g))
+        return eye[None].repeat(H, 1, 1) + 0.01 * torch.randn(H, d, half, generator=g)
+
     p = {
-        "Wq": w0(), "bq": torch.zeros(H, half), "Wk": w0(), "bk": torch.zeros(H, half),
+        "Wq": w0(),
+        "bq": torch.zeros(H, half),
+        "Wk": w0(),
+        "bk": torch.zeros(H, half),
         "rho": torch.zeros(H),
     }
     if mix == "qscale":
@@ -340,8 +350,9 @@ def evaluate(params, d: LayerData, w, mix):
         for s in range(0, d.q.shape[0], CHUNK):
             sl = slice(s, s + CHUNK)
             near = tuple(t[sl] for t in d.near)
-            out = combine(params, d.q[sl], d.k[sl], d.v[sl], d.mask[sl], d.sep[sl], w,
-                          d.scaling, mix, near)
+            out = combine(
+                params, d.q[sl], d.k[sl], d.v[sl], d.mask[sl], d.sep[sl], w, d.scaling, mix, near
+            )
             err = err + head_sq_err(out, d.y[sl], d.mask[sl])[0]
     norm = (d.y**2 * d.mask[:, None, :, None]).sum()
     return err, norm
@@ -356,13 +367,15 @@ def fit_layer(fit: LayerData, val: LayerData, args, m, seed):
         sl = slice(0, min(8, fit.q.shape[0]))
         q, k, v, mask, sep = fit.q[sl], fit.k[sl], fit.v[sl], fit.mask[sl], fit.sep[sl]
         s = torch.einsum("bhid,bhjd->bhij", q, k) * fit.scaling
-        nn_, dn, c = (t[sl] for t in fit.near)
+        _, dn, c = (t[sl] for t in fit.near)
         e = torch.exp(s - c[..., None]) * mask[:, None, None, :]
         far_exact = e.sum(-1) - dn
         fq = feature_map(q, p["Wq"], p["bq"])
         fk = feature_map(k, p["Wk"], p["bk"])
         _, df = far_part(fq, fk, v, mask, sep, w)
-        ratio = far_exact.clamp_min(1e-30) / (torch.exp(log_mult(p, q, c, mix)) * df).clamp_min(1e-30)
+        ratio = far_exact.clamp_min(1e-30) / (torch.exp(log_mult(p, q, c, mix)) * df).clamp_min(
+            1e-30
+        )
         rows = mask[:, None, :].expand_as(ratio)
         for h in range(H):
             p["rho"].data[h] = torch.log(ratio[:, h][rows[:, h]]).median()
@@ -376,8 +389,18 @@ def fit_layer(fit: LayerData, val: LayerData, args, m, seed):
     step = 0
     for step in range(1, args.steps + 1):
         idx = torch.randperm(N, generator=gen)[: args.batch]
-        out = combine(p, fit.q[idx], fit.k[idx], fit.v[idx], fit.mask[idx], fit.sep[idx], w,
-                      fit.scaling, mix, tuple(t[idx] for t in fit.near))
+        out = combine(
+            p,
+            fit.q[idx],
+            fit.k[idx],
+            fit.v[idx],
+            fit.mask[idx],
+            fit.sep[idx],
+            w,
+            fit.scaling,
+            mix,
+            tuple(t[idx] for t in fit.near),
+        )
         sq, count = head_sq_err(out, fit.y[idx], fit.mask[idx])
         loss = sq.sum() / count
         opt.zero_grad()
@@ -445,8 +468,11 @@ def stitch(model, splits, exact_h, args, m, how):
             CTX.params = {}
         fit_time += time.perf_counter() - t0
         steps.append(n)
-        print(f"    [{how}] layer {layer}: {n} steps, heads off {int(p['off'].sum())}, "
-              f"log g {p['rho'].detach().numpy().round(1).tolist()}", flush=True)
+        print(
+            f"    [{how}] layer {layer}: {n} steps, heads off {int(p['off'].sum())}, "
+            f"log g {p['rho'].detach().numpy().round(1).tolist()}",
+            flush=True,
+        )
     return params, steps, fit_time
 
 
@@ -486,10 +512,14 @@ def per_layer_errors(model, params, test, exact_h, args):
     for layer in range(len(model.encoder.layer)):
         ex = layer_data(model, layer, exact_h[layer], mask, args.window)
         own = layer_data(model, layer, own_h[layer], mask, args.window)
-        rows.append((
-            rel_err(None, ex, args.window, args.mix), rel_err(params[layer], ex, args.window, args.mix),
-            rel_err(None, own, args.window, args.mix), rel_err(params[layer], own, args.window, args.mix),
-        ))
+        rows.append(
+            (
+                rel_err(None, ex, args.window, args.mix),
+                rel_err(params[layer], ex, args.window, args.mix),
+                rel_err(None, own, args.window, args.mix),
+                rel_err(params[layer], own, args.window, args.mix),
+            )
+        )
     return rows
 
 
@@ -499,8 +529,14 @@ def summary(cos, mask):
     return c.mean(), c.min(), c[long_.numpy()].mean() if long_.any() else float("nan")
 
 
+def brief(row) -> str:
+    return f"mean {row[2]:.4f} min {row[3]:.4f} 128+ {row[4]:.4f}"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="few rows, few steps")
     ap.add_argument("--data", choices=("docs", "texts"), default="docs")
     ap.add_argument("--window", type=int, default=16)
@@ -519,7 +555,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.eval_every, args.e2e_steps = min(args.steps, 20), 10, min(args.e2e_steps, 4)
+        args.steps, args.eval_every, args.e2e_steps = (
+            min(args.steps, 20),
+            10,
+            min(args.e2e_steps, 4),
+        )
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     CTX.window, CTX.mix = args.window, args.mix
@@ -528,58 +568,88 @@ def main() -> None:
     splits = {s: data_split(args.data, s, args.quick) for s in documents.SPLITS}
     t0 = time.perf_counter()
     exact_h = {s: forward_all(model, *splits[s], {}) for s in documents.SPLITS}
-    print(f"data {args.data}: " + ", ".join(f"{s} {splits[s][0].shape[0]}x{splits[s][0].shape[1]}"
-          for s in documents.SPLITS) + f"; exact passes {time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"data {args.data}: "
+        + ", ".join(
+            f"{s} {splits[s][0].shape[0]}x{splits[s][0].shape[1]}" for s in documents.SPLITS
+        )
+        + f"; exact passes {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     ids, mask = splits["test"]
     exact_emb = pooled(exact_h["test"][-1], mask)
     n_layers = len(model.encoder.layer)
     results = []
-    ws = {layer: "ws" for layer in range(n_layers)}
+    ws = dict.fromkeys(range(n_layers), "ws")
     cos, _ = cosines(model, ids, mask, ws, exact_emb)
     results.append((f"w={args.window}+sinks", "-", *summary(cos, mask), 0.0, None))
-    print(f"  window + sinks: mean {results[-1][2]:.4f} min {results[-1][3]:.4f}", flush=True)
+    print(
+        f"  window + sinks: {brief(results[-1])}",
+        flush=True,
+    )
     layer_tables = {}
     for m in args.m:
         kept = {}
-        for how in [h for h in args.stitch if h != "c"] + (["b"] if "c" in args.stitch and "b" not in args.stitch else []):
+        for how in [h for h in args.stitch if h != "c"] + (
+            ["b"] if "c" in args.stitch and "b" not in args.stitch else []
+        ):
             params, steps, seconds = stitch(model, splits, exact_h, args, m, how)
             kept[how] = (params, seconds)
             if how in args.stitch:
                 cos, _ = cosines(model, ids, mask, params, exact_emb)
                 results.append((f"fitted m={m}", how, *summary(cos, mask), seconds, steps))
-                print(f"  m={m} ({how}): mean {results[-1][2]:.4f} min {results[-1][3]:.4f} "
-                      f"fit {seconds:.0f}s", flush=True)
+                print(
+                    f"  m={m} ({how}): {brief(results[-1])} fit {seconds:.0f}s",
+                    flush=True,
+                )
                 if args.layers_table:
-                    layer_tables[(m, how)] = per_layer_errors(model, params, splits["test"],
-                                                              exact_h["test"], args)
+                    layer_tables[(m, how)] = per_layer_errors(
+                        model, params, splits["test"], exact_h["test"], args
+                    )
         if "c" in args.stitch:
             params, seconds_b = kept["b"]
-            params = {l: {n: (t.detach().clone().requires_grad_(n != "off")) for n, t in p.items()}
-                      for l, p in params.items()}
+            params = {
+                l: {n: (t.detach().clone().requires_grad_(n != "off")) for n, t in p.items()}
+                for l, p in params.items()
+            }
             params, seconds = e2e_fit(model, params, splits, exact_h, args)
             cos, _ = cosines(model, ids, mask, params, exact_emb)
             results.append((f"fitted m={m}", "c", *summary(cos, mask), seconds_b + seconds, None))
-            print(f"  m={m} (c): mean {results[-1][2]:.4f} min {results[-1][3]:.4f}", flush=True)
+            print(
+                f"  m={m} (c): {brief(results[-1])}",
+                flush=True,
+            )
             if args.layers_table:
-                layer_tables[(m, "c")] = per_layer_errors(model, params, splits["test"],
-                                                          exact_h["test"], args)
+                layer_tables[(m, "c")] = per_layer_errors(
+                    model, params, splits["test"], exact_h["test"], args
+                )
 
-    print(f"\n## {args.data}, w={args.window} + sinks, mix={args.mix}, "
-          f"test {ids.shape[0]} rows (L<={ids.shape[1]}), steps<={args.steps}\n")
+    print(
+        f"\n## {args.data}, w={args.window} + sinks, mix={args.mix}, "
+        f"test {ids.shape[0]} rows (L<={ids.shape[1]}), steps<={args.steps}\n"
+    )
     print("| config | stitch | mean cos | min cos | mean cos 128+ | 1-cos vs w+s | fit s |")
     print("|---|---|---|---|---|---|---|")
     base = 1 - results[0][2]
     for name, how, mean, mn, long_, sec, _ in results:
-        print(f"| {name} | {how} | {mean:.4f} | {mn:.4f} | {long_:.4f} | "
-              f"{(1 - mean) / base:.2f} | {sec:.0f} |")
+        print(
+            f"| {name} | {how} | {mean:.4f} | {mn:.4f} | {long_:.4f} | "
+            f"{(1 - mean) / base:.2f} | {sec:.0f} |"
+        )
     for (m, how), rows in layer_tables.items():
-        print(f"\nper-layer relative attention-output error, m={m} ({how}); "
-              "||A - A*||_F / ||A*||_F over real rows\n")
-        print("| layer | w+s (exact acts) | fitted (exact acts) | ratio | w+s (own acts) | "
-              "fitted (own acts) | ratio |")
+        print(
+            f"\nper-layer relative attention-output error, m={m} ({how}); "
+            "||A - A*||_F / ||A*||_F over real rows\n"
+        )
+        print(
+            "| layer | w+s (exact acts) | fitted (exact acts) | ratio | w+s (own acts) | "
+            "fitted (own acts) | ratio |"
+        )
         print("|---|---|---|---|---|---|---|")
         for layer, (a, b, c, d) in enumerate(rows):
-            print(f"| {layer} | {a:.3f} | {b:.3f} | {b / a:.2f} | {c:.3f} | {d:.3f} | {d / c:.2f} |")
+            print(
+                f"| {layer} | {a:.3f} | {b:.3f} | {b / a:.2f} | {c:.3f} | {d:.3f} | {d / c:.2f} |"
+            )
 
 
 if __name__ == "__main__":
