@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import linattn as la  # noqa: E402
 from linattn.integrations.transformers import (  # noqa: E402
     LinearAttentionCache,
+    attention_forward,
     key_mask_from,
     register,
     special_keys,
@@ -152,6 +153,22 @@ def test_exact_keys_and_no_feature_map_equal_the_direct_call(
     with torch.no_grad():
         expected = model(ids, attention_mask=attention_mask).last_hidden_state[mask]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAS_WINDOW, reason="needs linear_attention(window=) (the hybrid)")
+def test_exact_keys_trace_without_graph_breaks() -> None:
+    """The special keys are tensor operations: torch.compile keeps the call in one graph
+    (the map is drawn by a first call outside the trace, as a model's eager run does)."""
+    register(num_features=16, window=4, sink_keys=1, exact_keys="special")
+    module = torch.nn.Module()
+    q, k, v = torch.randn(3, 2, 2, L, 8, generator=torch.Generator().manual_seed(0))
+
+    def attention(q, k, v):  # type: ignore[no-untyped-def]
+        return attention_forward(module, q, k, v, None, scaling=8**-0.5)[0]
+
+    attention(q, k, v)
+    explained = torch._dynamo.explain(attention)(q, k, v)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
 
 
 def test_special_keys_with_left_padding_and_none() -> None:
