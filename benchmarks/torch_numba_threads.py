@@ -2,7 +2,10 @@
 torch linear layer, then bidirectional window 64 + sinks attention on torch CPU tensors,
 which runs the Numba kernels through ``linattn::exact_parts_forward``), best of 5.
 
-    python benchmarks/torch_numba_threads.py TORCH_THREADS NUMBA_THREADS
+    python benchmarks/torch_numba_threads.py TORCH_THREADS NUMBA_THREADS [BACKEND]
+
+``BACKEND`` ``array_api`` times the portable path on the tensors (the path torch tensors
+with exact parts took before the ``torch-kernels`` executor).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import linattn as la
 
 
-def main(torch_threads: int, numba_threads: int) -> None:
+def main(torch_threads: int, numba_threads: int, backend: str | None = None) -> None:
     torch.set_num_threads(torch_threads)
     numba.set_num_threads(numba_threads)
     batch, heads, length, d = 8, 12, 256, 32
@@ -34,7 +37,7 @@ def main(torch_threads: int, numba_threads: int) -> None:
 
     def step(feature_map: Any, options: dict[str, Any]) -> Any:
         linear(x)  # torch's own work between attention calls, as in a model
-        return la.linear_attention(q, k, v, feature_map, **options)
+        return la.linear_attention(q, k, v, feature_map, backend=backend, **options)
 
     calls = {
         "window": (None, {"window": 64, "sink_keys": 1, "exact_key_mask": exact}),
@@ -49,10 +52,11 @@ def main(torch_threads: int, numba_threads: int) -> None:
                 step(feature_map, options)
                 best = min(best, time.perf_counter() - start)
         print(
-            f"torch threads {torch_threads} numba threads {numba_threads} {name}: "
+            f"torch threads {torch_threads} numba threads {numba_threads} {name} "
+            f"({la.plan_attention(q, k, v, feature_map, backend=backend, **options).executor}): "
             f"{best * 1e3:.1f} ms"
         )
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4])
