@@ -144,7 +144,6 @@ exact_parts_backward = torch.library.custom_op(
 )(_backward)
 
 
-@exact_parts_forward.register_fake
 def _fake_forward(
     q: Tensor, k: Tensor, v: Tensor, key_mask: Any, exact_key_mask: Any, *rest: Any
 ) -> Any:
@@ -155,7 +154,6 @@ def _fake_forward(
     return q.new_empty((*batch, q.shape[-2], v.shape[-1]), dtype=dtype)
 
 
-@exact_parts_backward.register_fake
 def _fake_backward(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> Any:
     return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
@@ -178,5 +176,7 @@ def _no_double_backward(ctx: Any, *grads: Any) -> Any:
     )
 
 
+exact_parts_forward.register_fake(_fake_forward)
+exact_parts_backward.register_fake(_fake_backward)
 exact_parts_forward.register_autograd(_gradients, setup_context=_setup_context)
 exact_parts_backward.register_autograd(_no_double_backward, setup_context=lambda *args: None)
