@@ -154,6 +154,8 @@ def normalise_call(
         exact_key_mask = group_mask(
             exact_key_mask, int(q.shape[-3]) * int(q.shape[-4]), int(k.shape[-4])
         )
+    if ungroup is not None and isinstance(feature_map, FeatureMap):
+        feature_map = feature_map.grouped(int(q.shape[-3]))
     call = Call(
         q, k, v, feature_map, causal, key_mask, state, return_state, chunk_size, backend,
         window, sink_keys, exact_key_mask, scale, ungroup,

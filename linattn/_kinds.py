@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from linattn._xp import Array, Namespace, array_device, constant, from_host
+from linattn.fitted import log_softmax_pairs, log_softmax_pairs_vjp
 
 __all__ = ["KIND_SPECS", "FeatureKind", "KindInputs", "MapSizes", "kind_spec"]
 
@@ -79,6 +80,9 @@ class FeatureKind:
         (:func:`linattn.features.overflow_limit`): ``-inf`` where the true value lies
         below the float range (the Gaussian kinds: ``|x|^2 / 2`` dominates), NaN where
         it is not representable.
+    fitted : bool
+        Parameters fitted to a layer's attention, per role and head
+        (:mod:`linattn.fitted`): ``proj`` is ``x W + b``.
     follows_half_norm : bool
         The log-features are ``... -+ |x|^2 / 2``: the overflow value is reached by
         setting the half norm of such a row to ``+inf`` (or NaN), an ``(L, 1)`` selection
@@ -94,6 +98,7 @@ class FeatureKind:
     fused: bool = False
     overflow: float = math.nan
     follows_half_norm: bool = False
+    fitted: bool = False
 
     def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
         """``(log|phi|, sign or None)`` from the input (deterministic) or its projection."""
@@ -226,6 +231,20 @@ class _ELU(FeatureKind):
         return xp.where(x > 0, d_log / (one + xp.where(x > 0, x, zero)), d_log), zero
 
 
+@dataclass(frozen=True, slots=True)
+class _Hedgehog(FeatureKind):
+    """``softmax([u, -u])`` of ``u = x W + b``: a fitted map (:mod:`linattn.fitted`)."""
+
+    def log_features(self, xp: Namespace, i: KindInputs) -> tuple[Array, Array | None]:
+        assert i.proj is not None
+        return log_softmax_pairs(xp, i.proj), None
+
+    def vjp(self, xp: Namespace, i: KindInputs, d_log: Array) -> tuple[Array, Array]:
+        assert i.proj is not None
+        log_phi = log_softmax_pairs(xp, i.proj)
+        return log_softmax_pairs_vjp(xp, log_phi, d_log), constant(xp, 0.0, d_log)
+
+
 #: Every kind, by name.
 KIND_SPECS: dict[str, FeatureKind] = {
     spec.name: spec
@@ -262,6 +281,7 @@ KIND_SPECS: dict[str, FeatureKind] = {
         _RandomReLU("random_relu"),
         _ELU("elu", random=False),
         _ReLU("relu", random=False),
+        _Hedgehog("hedgehog", random=False, rows_per_feature=2, fitted=True),
     )
 }
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from linattn import fitted
 from linattn._checks import (
     check_key_mask,
     check_query_mask,
@@ -39,11 +40,13 @@ from linattn._xp import (
     to_host,
 )
 from linattn.calibration import Statistics
+from linattn.fitted import FittedParameters, check_parameters, initial_parameters
 from linattn.projections import MAX_PROJECTION_SIZE, Norms, gaussian_projection
 
 __all__ = ["KINDS", "FeatureMap", "feature_map_for"]
 
 Kind = Literal[
+    "hedgehog",
     "positive",
     "hyperbolic",
     "oprf",
@@ -90,7 +93,8 @@ class FeatureMap:
         Number of output features ``m``.  Kinds with antithetic or paired features
         (``"hyperbolic"``, ``"trigonometric"``) use ``m / 2`` projection rows, so
         estimators compare at equal cost; ``m`` must then be even.  Deterministic
-        kinds (``"elu"``, ``"relu"``) need ``m == head_dim``.
+        kinds (``"elu"``, ``"relu"``) need ``m == head_dim``; ``"hedgehog"`` needs an
+        even ``m``.
     kind : str, default "positive"
         ``"positive"`` (FAVOR+: ``exp(w^T x - |x|^2/2)``, unbiased, positive),
         ``"hyperbolic"`` (antithetic pairs ``exp(+-w^T x - |x|^2/2)``: unbiased, lower
@@ -102,6 +106,11 @@ class FeatureMap:
         ``"hyperbolic_oprf"`` are FAVOR++'s optimal positive random features
         ``exp(A |w|^2 + B w^T x - |x|^2/2)``, ``B = sqrt(1 - 4A)``, without and with
         antithetic pairs; ``A`` comes from query/key statistics (:meth:`calibrate`).
+        ``"hedgehog"`` is a *fitted* map (:mod:`linattn.fitted`): ``softmax([u, -u])``
+        of ``u = x W + b`` with separate query and key parameters; this constructor
+        gives its starting point (:func:`linattn.fitted.initial_parameters`, shared by
+        all heads), :meth:`fitted` adopts fitted parameters and
+        :func:`linattn.transfer.fit_layer` fits them.
     orthogonal : bool, default True
         Draw the projection as stacked Haar-orthogonal blocks (ORF) instead of iid.
     norms : {"chi", "fixed"}, default "chi"
@@ -154,6 +163,7 @@ class FeatureMap:
     oprf_a: float | None
     _projection: np.ndarray | None
     _rebalance_scales: np.ndarray | None
+    _parameters: FittedParameters | None
     _fingerprint: str
 
     def __init__(
@@ -182,7 +192,7 @@ class FeatureMap:
                 f"num_features must be even for kind={kind!r} (it uses num_features / 2 "
                 f"projection rows); got {num_features}"
             )
-        if not spec.random and num_features != head_dim:
+        if not spec.random and not spec.fitted and num_features != head_dim:
             raise ValueError(
                 f"num_features must equal head_dim for the deterministic kind {kind!r}; "
                 f"got num_features={num_features}, head_dim={head_dim}"
@@ -190,7 +200,9 @@ class FeatureMap:
         _check_seed(seed)
         if not isinstance(orthogonal, bool | np.bool_):
             raise TypeError(f"orthogonal must be True or False; got {orthogonal!r}")
-        projection = None
+        projection = parameters = None
+        if spec.fitted:
+            parameters = initial_parameters(head_dim, num_features, seed=int(seed))
         if spec.random:
             projection = gaussian_projection(
                 num_features // spec.rows_per_feature,
@@ -209,6 +221,7 @@ class FeatureMap:
             seed=int(seed),
             projection=projection,
             rebalance=rebalance,
+            parameters=parameters,
         )
 
     def _assign(
@@ -225,9 +238,12 @@ class FeatureMap:
         rebalance: bool = False,
         oprf_a: float | None = None,
         rebalance_scales: Any = None,
+        parameters: FittedParameters | None = None,
     ) -> None:
         """Check the statistics and scale, freeze the arrays and set every field once."""
         spec = kind_spec(kind)
+        if spec.fitted != (parameters is not None):
+            raise ValueError(f"kind={kind!r} {'needs' if spec.fitted else 'takes no'} parameters")
         if not isinstance(rebalance, bool):
             raise TypeError(f"rebalance must be True or False; got {rebalance!r}")
         if rebalance and not spec.softmax:
@@ -249,6 +265,9 @@ class FeatureMap:
         for part in (projection, rebalance_scales):
             if part is not None:
                 digest.update(part.tobytes())
+        if parameters is not None:
+            for name, array in parameters.arrays().items():
+                digest.update(f"|{name}{array.shape}".encode() + array.tobytes())
         fields = {
             "head_dim": int(head_dim),
             "num_features": int(num_features),
@@ -261,6 +280,7 @@ class FeatureMap:
             "oprf_a": oprf_a,
             "_projection": projection,
             "_rebalance_scales": rebalance_scales,
+            "_parameters": parameters,
             "_fingerprint": digest.hexdigest()[:16],
         }
         for name, value in fields.items():
@@ -343,6 +363,111 @@ class FeatureMap:
             }
         )
 
+    @classmethod
+    def fitted(
+        cls,
+        query_weight: Any,
+        query_bias: Any = None,
+        *,
+        key_weight: Any = None,
+        key_bias: Any = None,
+        far_weight: Any = None,
+        tied: bool = False,
+        scale: float | None = None,
+    ) -> FeatureMap:
+        """A fitted (``"hedgehog"``) map from its parameters (:mod:`linattn.fitted`).
+
+        Parameters
+        ----------
+        query_weight : array_like, shape ``(d, m/2)`` or ``(H, d, m/2)``
+            Query ``W``: ``m`` features ``softmax([x W + b, -(x W + b)])``; a leading
+            head axis gives every query head its own (inputs ``(..., H, L, d)``).
+        query_bias : array_like, shape ``(m/2,)`` or ``(H, m/2)``, optional
+            Query ``b``; default zeros.
+        key_weight, key_bias : array_like, optional
+            The keys' ``W`` and ``b`` (a head axis counts key heads: grouped-query
+            attention); required unless ``tied``.
+        far_weight : float or array_like of shape ``(H_kv,)``, optional
+            ``g >= 0``, the weight of the far keys against exact ones in the hybrid
+            (``0``: window and sinks alone; default 1).  It multiplies the key features.
+        tied : bool, default False
+            Keys use the query parameters.
+        scale : float, optional
+            Softmax scale of the *exact* parts of a hybrid call; default
+            ``1 / sqrt(d)`` (the features themselves ignore it).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import linattn as la
+        >>> w = np.stack([np.eye(4)] * 2)  # 2 heads, d = 4, m = 8
+        >>> fm = la.FeatureMap.fitted(w, key_weight=w, far_weight=[0.5, 2.0])
+        >>> fm.kind, fm.num_features, fm.parameters.far_weight.tolist()
+        ('hedgehog', 8, [0.5, 2.0])
+        >>> x = np.zeros((1, 2, 3, 4))
+        >>> np.exp(fm.log_features(x, role="query")).sum(-1)[0, :, 0].tolist()
+        [1.0, 1.0]
+        """
+        p = check_parameters(query_weight, query_bias, key_weight, key_bias, far_weight, tied=tied)
+        return _restore(
+            {
+                "head_dim": p.head_dim,
+                "num_features": p.num_features,
+                "kind": "hedgehog",
+                "orthogonal": False,
+                "norms": "chi",
+                "scale": scale,
+                "seed": None,
+                "projection": None,
+                "parameters": p,
+            }
+        )
+
+    @property
+    def parameters(self) -> FittedParameters | None:
+        """A fitted map's read-only parameters (None for other kinds)."""
+        return self._parameters
+
+    def with_parameters(self, **changes: Any) -> FeatureMap:
+        """A copy of a fitted map with some parameters replaced (names of :meth:`fitted`).
+
+        Examples
+        --------
+        >>> import linattn as la
+        >>> fm = la.FeatureMap(4, 8, kind="hedgehog")
+        >>> float(fm.with_parameters(far_weight=0.0).parameters.far_weight)
+        0.0
+        """
+        p = self._parameters
+        if p is None:
+            raise ValueError(f"with_parameters needs a fitted map; got kind={self.kind!r}")
+        unknown = sorted(set(changes) - set(FittedParameters._fields) - {"tied"})
+        if unknown:
+            raise TypeError(f"with_parameters got unknown names {unknown}")
+        tied = changes.pop("tied", p.tied)
+        fields = {**p._asdict(), **changes}
+        if tied:
+            fields.pop("key_weight")
+            fields.pop("key_bias")
+        return FeatureMap.fitted(**fields, tied=tied, scale=self.scale)
+
+    def grouped(self, group: int) -> FeatureMap:
+        """This map for grouped-query inputs split as :func:`linattn._gqa.grouped` does:
+        per-head parameters get the ``(H_kv, G)`` head axes (others: the map itself).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import linattn as la
+        >>> fm = la.FeatureMap.fitted(np.ones((4, 2, 3)), key_weight=np.ones((2, 2, 3)))
+        >>> fm.grouped(2).parameters.query_weight.shape
+        (2, 2, 2, 3)
+        """
+        p = self._parameters
+        if p is None or (p.query_weight.ndim == 2 and p.key_weight.ndim == 2):
+            return self
+        return self._replace(parameters=fitted.grouped(p, group))
+
     def redraw(self, *, seed: int | None = None) -> FeatureMap:
         """A new map of the same kind, size and scale with a freshly drawn projection.
 
@@ -359,6 +484,8 @@ class FeatureMap:
         >>> fm.redraw(seed=0).fingerprint == fm.fingerprint
         True
         """
+        if self._parameters is not None:
+            raise ValueError("a fitted (hedgehog) map has no random draw to redraw")
         if seed is None:
             seed = secrets.randbits(63)
         fresh = FeatureMap(
@@ -502,6 +629,7 @@ class FeatureMap:
             f"kind={self.kind!r}, orthogonal={self.orthogonal}, norms={self.norms!r}, "
             f"scale={self.scale:.6g}, seed={self.seed}, rebalance={self.rebalance}"
             + (f", oprf_a={self.oprf_a:.6g}" if self.oprf_a is not None else "")
+            + (f", {fitted.describe(self._parameters)}" if self._parameters is not None else "")
             + ")"
         )
 
@@ -584,6 +712,8 @@ class FeatureMap:
         """
         xp, x = self._check_input(x, role, statistics)
         oprf_a, psi = self._statistics(statistics)
+        if self._parameters is not None:
+            return fitted.log_features(xp, self._parameters, x, self._role(role)), None
         if not self._spec.random:
             return self._spec.log_features(xp, KindInputs(self, x, oprf_a=oprf_a))
         x, overflow = self._without_overflow(xp, x, role, psi)
@@ -628,6 +758,8 @@ class FeatureMap:
         xp, x = self._check_input(x, role, statistics)
         oprf_a, psi = self._statistics(statistics)
         x = xp.astype(x, d_log.dtype, copy=False)
+        if self._parameters is not None:
+            return fitted.input_vjp(xp, self._parameters, x, d_log, self._role(role))
         if not self._spec.random:
             return self._spec.vjp(xp, KindInputs(self, x, oprf_a=oprf_a), d_log)[0]
         x, overflow = self._without_overflow(xp, x, role, psi)
@@ -638,6 +770,49 @@ class FeatureMap:
         d_proj, d_half_norm = self._spec.vjp(xp, KindInputs(self, x, proj, None, oprf_a), d_log)
         dx = factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
         return xp.where(overflow, constant(xp, 0.0, dx), dx)  # constant features there
+
+    def log_features_parameter_vjp(
+        self, x: Array, d_log: Array, /, *, role: Role
+    ) -> dict[str, np.ndarray]:
+        """A fitted map's parameter cotangents from the cotangent ``d_log`` of
+        :meth:`signed_log_features` (``role``'s ``W`` and ``b``; keys also ``far_weight``).
+
+        Float64 NumPy arrays of the parameters' shapes, summed over the batch; a tied map
+        names them ``query_*`` for both roles (add them).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import linattn as la
+        >>> fm = la.FeatureMap(4, 8, kind="hedgehog")
+        >>> x, d = np.ones((3, 4)), np.ones((3, 8))
+        >>> sorted(fm.log_features_parameter_vjp(x, d, role="key"))
+        ['far_weight', 'key_bias', 'key_weight']
+        """
+        if self._parameters is None:
+            raise ValueError(
+                f"log_features_parameter_vjp needs a fitted map; got kind={self.kind!r}"
+            )
+        xp, x = self._check_input(x, role)
+        x = xp.astype(x, d_log.dtype, copy=False)
+        role = self._role(role)
+        grads = fitted.parameter_vjp(xp, self._parameters, x, d_log, role)
+        if self._parameters.tied and role == "key":
+            grads["query_weight"] = grads.pop("key_weight")
+            grads["query_bias"] = grads.pop("key_bias")
+        return grads
+
+    def _role(self, role: object) -> Role:
+        """A fitted map's role: given, or ``"query"`` for a tied map's ``None``."""
+        p = self._parameters
+        if role is None and p is not None and p.tied:
+            return "query"
+        if role not in ("query", "key"):
+            raise ValueError(
+                "role must be 'query' or 'key' for a fitted map with separate query and key "
+                f"parameters; got {role!r}"
+            )
+        return role
 
     def _statistics(self, statistics: Statistics | None) -> tuple[Any, Any]:
         """``(A, Psi)``: the map's own, or a call's (arrays) where the map has none."""

@@ -1,0 +1,365 @@
+"""Fitted feature maps: Hedgehog features with per-head parameters and a far-part weight.
+
+A fitted map (``kind="hedgehog"``) is not a random draw but parameters fitted to a
+layer's exact attention (:mod:`linattn.transfer`):
+
+    u = x W + b,    log phi(x) = [u, -u] - logsumexp([u, -u])
+
+(Zhang et al., "The Hedgehog & the Porcupine", ICLR 2024, with the bias of fla's
+``HedgehogFeatureMap``): ``m`` positive features from a ``d x m/2`` matrix ``W``.
+Queries and keys have their own ``W`` and ``b`` (or share them: ``tied``), and each may
+hold one per head: ``(H, d, m/2)`` against inputs ``(..., H, L, d)``; with grouped-query
+attention the key parameters belong to the key heads.
+
+The **far weight** ``g >= 0`` (one per key head, or one for all) multiplies every key's
+features: in the hybrid (``window=``, ``sink_keys=``, ``exact_key_mask=``) the output is
+``(N_near + g N_far) / (D_near + g D_far)`` with exact softmax weights near and
+``phi(q) . phi(k)`` far; ``g = 0`` is exactly the exact parts alone, ``g = 1`` the plain
+hybrid.  Carried by the key features, it reaches every path, state and decoding step
+that key features reach; without exact parts it cancels.  (The features are
+normalised, ``sum_j phi_j = 1``, so their scale against ``exp(s q.k)`` is exactly what
+``g`` sets: there is no second scale to fit.)
+
+Everything here is written against the array API; the parameters are host (NumPy)
+arrays moved to the input's namespace and device on use, like a random projection.
+The math is in ``docs/algorithm.md`` (section "Fitted feature maps").
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from linattn._xp import Array, Namespace, array_device, from_host, is_array, to_host
+
+__all__ = [
+    "ZERO_FAR_LOG",
+    "FittedParameters",
+    "check_parameters",
+    "describe",
+    "initial_parameters",
+    "input_vjp",
+    "log_features",
+    "parameter_vjp",
+    "projection",
+]
+
+#: ``log g`` used for ``g = 0``: ``exp(-1e4)`` is 0 in every float type, so the far keys
+#: drop out exactly, while every stabiliser (a maximum over log-features) stays finite.
+ZERO_FAR_LOG = -1.0e4
+
+
+class FittedParameters(NamedTuple):
+    """A fitted map's parameters: read-only float64 host arrays.
+
+    ``*_weight`` has shape ``(d, m/2)`` or ``(H, d, m/2)``, ``*_bias`` ``(m/2,)`` or
+    ``(H, m/2)`` (the weight's head axis), ``far_weight`` ``()`` or ``(H_kv,)`` (the key
+    heads).  Tied maps hold the same arrays for queries and keys.
+    """
+
+    query_weight: np.ndarray
+    query_bias: np.ndarray
+    key_weight: np.ndarray
+    key_bias: np.ndarray
+    far_weight: np.ndarray
+
+    @property
+    def tied(self) -> bool:
+        """Queries and keys share one ``W`` and ``b``."""
+        return self.key_weight is self.query_weight and self.key_bias is self.query_bias
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.query_weight.shape[-2])
+
+    @property
+    def num_features(self) -> int:
+        return 2 * int(self.query_weight.shape[-1])
+
+    def role(self, role: object) -> tuple[np.ndarray, np.ndarray]:
+        """``(W, b)`` of ``"query"`` or ``"key"``."""
+        if role == "query":
+            return self.query_weight, self.query_bias
+        if role == "key":
+            return self.key_weight, self.key_bias
+        raise ValueError(
+            f"role must be 'query' or 'key' for a fitted (hedgehog) map with separate query "
+            f"and key parameters; got {role!r}"
+        )
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays by name (keys' omitted when tied)."""
+        names = ["query_weight", "query_bias", "far_weight"]
+        if not self.tied:
+            names[2:2] = ["key_weight", "key_bias"]
+        return {name: getattr(self, name) for name in names}
+
+
+def _host(name: str, value: Any) -> np.ndarray:
+    host = to_host(value) if is_array(value) else np.asarray(value)
+    if host.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must hold real numbers; got dtype {host.dtype}")
+    host = np.array(host, dtype=np.float64, copy=True)
+    if not np.all(np.isfinite(host)):
+        raise ValueError(f"{name} must be finite; got NaN or infinite values")
+    host.setflags(write=False)
+    return host
+
+
+def check_parameters(
+    query_weight: Any,
+    query_bias: Any = None,
+    key_weight: Any = None,
+    key_bias: Any = None,
+    far_weight: Any = None,
+    *,
+    tied: bool = False,
+) -> FittedParameters:
+    """Validated, frozen :class:`FittedParameters`; ``ValueError`` naming the argument.
+
+    Missing biases are zeros, a missing far weight is 1, missing key parameters are the
+    query's when ``tied`` (else an error).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> p = check_parameters(np.eye(4), tied=True)
+    >>> p.num_features, p.tied, float(p.far_weight)
+    (8, True, 1.0)
+    """
+    if not isinstance(tied, bool):
+        raise TypeError(f"tied must be True or False; got {tied!r}")
+    wq = _host("query_weight", query_weight)
+    if wq.ndim not in (2, 3) or 0 in wq.shape:
+        raise ValueError(
+            "query_weight must have shape (head_dim, num_features / 2) or "
+            f"(heads, head_dim, num_features / 2); got {wq.shape}"
+        )
+    bq = _bias("query_bias", query_bias, wq)
+    if tied:
+        if key_weight is not None or key_bias is not None:
+            raise ValueError("key_weight and key_bias must be None with tied=True")
+        wk, bk = wq, bq
+    else:
+        if key_weight is None:
+            raise ValueError("key_weight is required unless tied=True")
+        wk = _host("key_weight", key_weight)
+        if wk.ndim not in (2, 3) or wk.shape[-2:] != wq.shape[-2:]:
+            raise ValueError(
+                f"key_weight must have shape {wq.shape[-2:]} or (key_heads, "
+                f"{wq.shape[-2]}, {wq.shape[-1]}) to match query_weight; got {wk.shape}"
+            )
+        if wk.ndim == 3 and wq.ndim == 3 and wq.shape[0] % wk.shape[0]:
+            raise ValueError(
+                f"key_weight's heads must divide query_weight's ({wq.shape[0]}, grouped-"
+                f"query attention); got {wk.shape[0]}"
+            )
+        bk = _bias("key_bias", key_bias, wk)
+    key_heads = (wk.shape[0],) if wk.ndim == 3 else ()
+    g = _host("far_weight", 1.0 if far_weight is None else far_weight)
+    if g.shape not in ((), key_heads):
+        raise ValueError(
+            f"far_weight must be a number or have shape {key_heads} (one per key head); "
+            f"got shape {g.shape}"
+        )
+    if np.any(g < 0):
+        raise ValueError(f"far_weight must be non-negative; got {g.tolist()}")
+    return FittedParameters(wq, bq, wk, bk, g)
+
+
+def _bias(name: str, bias: Any, weight: np.ndarray) -> np.ndarray:
+    shape = weight.shape[:-2] + weight.shape[-1:]
+    if bias is None:
+        return _host(name, np.zeros(shape))
+    host = _host(name, bias)
+    if host.shape != shape:
+        raise ValueError(f"{name} must have shape {shape} to match its weight; got {host.shape}")
+    return host
+
+
+def initial_parameters(
+    head_dim: int,
+    num_features: int,
+    *,
+    heads: int | None = None,
+    key_heads: int | None = None,
+    tied: bool = False,
+    seed: int = 0,
+) -> FittedParameters:
+    """Hedgehog's start: ``W`` the identity (column ``j`` is ``e_(j mod d)``) plus
+    ``0.01`` Gaussian noise from ``seed``, ``b = 0``, ``g = 1``.
+
+    Examples
+    --------
+    >>> p = initial_parameters(4, 8, heads=2)
+    >>> p.query_weight.shape, p.far_weight.shape
+    ((2, 4, 4), (2,))
+    """
+    if num_features % 2 or num_features < 2:
+        raise ValueError(f"num_features must be a positive even number; got {num_features}")
+    rng = np.random.default_rng(seed)
+    half = num_features // 2
+    eye = np.zeros((head_dim, half))
+    eye[np.arange(half) % head_dim, np.arange(half)] = 1.0
+
+    def weight(count: int | None) -> np.ndarray:
+        shape = (head_dim, half) if count is None else (count, head_dim, half)
+        return eye + 0.01 * rng.standard_normal(shape)
+
+    key_heads = heads if key_heads is None else key_heads
+    wq = weight(heads)
+    wk = None if tied else weight(key_heads)
+    g = np.ones(()) if key_heads is None else np.ones(key_heads)
+    return check_parameters(wq, None, wk, None, g, tied=tied)
+
+
+# -- the map on arrays ---------------------------------------------------------------
+
+
+def _per_head(param: np.ndarray, x: Array, name: str, vector: bool) -> np.ndarray:
+    """``param`` shaped to broadcast against ``x (..., L, d)``.
+
+    ``param``'s leading head axes (none, ``(H,)``, or grouped-query attention's
+    ``(H_kv, G)`` and ``(H_kv, 1)``, see :func:`grouped`) meet the axes of ``x`` just
+    before ``(L, d)``, each equal or 1.  ``vector``: one trailing axis (biases, log far
+    weights), which gets a unit ``L`` axis; else two (weights).
+    """
+    trailing = 1 if vector else 2
+    heads = tuple(param.shape[: param.ndim - trailing])
+    if not heads:
+        return param
+    shape = tuple(x.shape)
+    met = shape[-2 - len(heads) : -2] if len(shape) >= 2 + len(heads) else None
+    if met is None or any(h not in (1, s) for h, s in zip(heads, met, strict=True)):
+        expected = ", ".join(str(h) for h in heads)
+        raise ValueError(
+            f"a fitted map whose {name} has heads ({expected}) needs inputs "
+            f"(..., {expected}, L, d); got shape {shape}"
+        )
+    return param.reshape((*heads, 1, param.shape[-1])) if vector else param
+
+
+def grouped(p: FittedParameters, group: int) -> FittedParameters:
+    """``p`` for grouped-query inputs ``(..., H_kv, G, L, d)`` and ``(..., H_kv, 1, L, d)``.
+
+    Query parameters ``(H, ...)`` become ``(H_kv, G, ...)``, key ones ``(H_kv, 1, ...)``.
+    """
+
+    def split(a: np.ndarray, trailing: int, size: int) -> np.ndarray:
+        if a.ndim == trailing:
+            return a
+        out = a.reshape((a.shape[0] // size, size, *a.shape[1:]))
+        out.setflags(write=False)
+        return out
+
+    return FittedParameters(
+        split(p.query_weight, 2, group),
+        split(p.query_bias, 1, group),
+        split(p.key_weight, 2, 1),
+        split(p.key_bias, 1, 1),
+        p.far_weight if p.far_weight.ndim == 0 else split(p.far_weight, 0, 1),
+    )
+
+
+def _moved(xp: Namespace, host: np.ndarray, x: Array) -> Array:
+    return from_host(xp, host, dtype=x.dtype, device=array_device(x))
+
+
+def projection(xp: Namespace, p: FittedParameters, x: Array, role: object) -> Array:
+    """``u = x W + b`` of ``role``'s parameters, shape ``(..., L, m/2)``."""
+    w, b = p.role(role)
+    w = _moved(xp, _per_head(w, x, f"{role}_weight", vector=False), x)
+    b = _moved(xp, _per_head(b, x, f"{role}_bias", vector=True), x)
+    return xp.matmul(x, w) + b
+
+
+def log_far_weight(p: FittedParameters) -> np.ndarray:
+    """``log g`` with :data:`ZERO_FAR_LOG` for ``g = 0``."""
+    g = p.far_weight
+    with np.errstate(divide="ignore"):
+        return np.where(g > 0, np.log(np.where(g > 0, g, 1.0)), ZERO_FAR_LOG)
+
+
+def far_log_shift(xp: Namespace, p: FittedParameters, x: Array) -> Array | float:
+    """``log g`` shaped to add to key log-features ``(..., L, m)``."""
+    lg = log_far_weight(p)
+    if lg.ndim == 0:
+        return float(lg)
+    shaped = _per_head(lg[..., None], x, "far_weight", vector=True)
+    return _moved(xp, shaped, x)
+
+
+def log_softmax_pairs(xp: Namespace, u: Array) -> Array:
+    """``[u, -u] - logsumexp([u, -u])`` over the last axis."""
+    z = xp.concat([u, -u], axis=-1)
+    top = xp.max(z, axis=-1, keepdims=True)
+    return z - (top + xp.log(xp.sum(xp.exp(z - top), axis=-1, keepdims=True)))
+
+
+def log_softmax_pairs_vjp(xp: Namespace, log_phi: Array, d_log: Array) -> Array:
+    """``d_u`` from the cotangent of :func:`log_softmax_pairs` (given its value)."""
+    d_z = d_log - xp.exp(log_phi) * xp.sum(d_log, axis=-1, keepdims=True)
+    half = d_z.shape[-1] // 2
+    return d_z[..., :half] - d_z[..., half:]
+
+
+def log_features(xp: Namespace, p: FittedParameters, x: Array, role: object) -> Array:
+    """Log-features of ``role``, ``(..., L, m)``; keys include ``log g``."""
+    log_phi = log_softmax_pairs(xp, projection(xp, p, x, role))
+    if role == "key":
+        log_phi = log_phi + far_log_shift(xp, p, x)
+    return log_phi
+
+
+def input_vjp(xp: Namespace, p: FittedParameters, x: Array, d_log: Array, role: object) -> Array:
+    """``dx`` from the cotangent of :func:`log_features`."""
+    log_phi = log_softmax_pairs(xp, projection(xp, p, x, role))
+    d_u = log_softmax_pairs_vjp(xp, log_phi, d_log)
+    w = _moved(xp, _per_head(p.role(role)[0], x, f"{role}_weight", vector=False), x)
+    return xp.matmul(d_u, xp.matrix_transpose(w))
+
+
+def parameter_vjp(
+    xp: Namespace, p: FittedParameters, x: Array, d_log: Array, role: object
+) -> dict[str, np.ndarray]:
+    """Host cotangents of ``role``'s parameters (and, for keys, of ``far_weight``).
+
+    Summed over every batch axis of ``x`` that the parameters broadcast over; returned as
+    float64 NumPy arrays of the parameters' shapes.
+    """
+    w, b = p.role(role)
+    log_phi = log_softmax_pairs(xp, projection(xp, p, x, role))
+    d_u = log_softmax_pairs_vjp(xp, log_phi, d_log)
+    d_w = xp.matmul(xp.matrix_transpose(x), d_u)  # (..., d, n)
+    d_b = xp.sum(d_u, axis=-2)  # (..., n)
+    out = {
+        f"{role}_weight": _sum_to(to_host(d_w), w.shape),
+        f"{role}_bias": _sum_to(to_host(d_b), b.shape),
+    }
+    if role == "key":
+        d_log_g = _sum_to(to_host(xp.sum(xp.sum(d_log, axis=-1), axis=-1)), p.far_weight.shape)
+        g = p.far_weight
+        # d/dg of log g is 1/g; g = 0 is a constant (the head chose the exact parts).
+        out["far_weight"] = np.where(g > 0, d_log_g / np.where(g > 0, g, 1.0), 0.0)
+    return out
+
+
+def _sum_to(host: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum a broadcast cotangent down to ``shape``.
+
+    The cotangent's trailing axes are ``shape`` itself once a head axis ``H`` is seen as
+    the product of the batch axes it met (``H``, or grouped ``(H_kv, G)``): C order makes
+    both one reshape.
+    """
+    summed: np.ndarray = np.asarray(host, dtype=np.float64).reshape((-1, *shape)).sum(axis=0)
+    return summed
+
+
+def describe(p: FittedParameters) -> str:
+    """A short text for ``repr``: heads, tying and the far weight."""
+    heads = p.query_weight.shape[0] if p.query_weight.ndim == 3 else None
+    key_heads = p.key_weight.shape[0] if p.key_weight.ndim == 3 else None
+    g = p.far_weight
+    g_text = f"{float(g):.4g}" if g.ndim == 0 else f"{g.size} per key head"
+    return f"heads={heads}, key_heads={key_heads}, tied={p.tied}, far_weight={g_text}"

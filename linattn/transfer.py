@@ -1,0 +1,570 @@
+"""Attention transfer: fit a layer's feature maps and far weights to its exact attention.
+
+LoLCATs' attention transfer (Zhang et al., ICLR 2025) with Hedgehog maps (Zhang et al.,
+ICLR 2024), every model weight frozen: for one attention layer, given its queries,
+keys and values on calibration inputs, fit per head a query map, a key map
+(:mod:`linattn.fitted`) and the far weight ``g`` so that the hybrid
+
+    out_i = (sum_near exp(s q_i.k_j) v_j + g sum_far phi(q_i).phi(k_j) v_j) / (same with 1)
+
+matches the layer's exact softmax output: the mean squared error over real query rows.
+The near keys are those of :func:`linattn.linear_attention`'s ``window``,
+``sink_keys`` and ``exact_key_mask``; far keys are every other real key (and, causal,
+not a future one).
+
+The fit runs on whatever arrays the activations are (NumPy with no framework, torch,
+JAX, CuPy), with the library's own gradients (dense ``L x L`` per batch: calibration
+texts are short) and an Adam step on host parameters, deterministic for a seed.
+Three disjoint splits: ``fit`` (the gradient steps), ``validation`` (early stopping per
+head, and ``g = 0`` for a head whose fit does not beat the exact parts alone there),
+and a test split the caller keeps for every reported figure.
+
+The math is in ``docs/algorithm.md`` (section "Fitted feature maps"); the procedure and
+the figures that chose it in ``docs/estimators.md`` ("Converting a pretrained model").
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from linattn import fitted
+from linattn._checks import check_scale
+from linattn._gqa import grouped
+from linattn._xp import Array, Namespace, array_device, constant, namespace_of, to_host
+from linattn.features import FeatureMap
+from linattn.fitted import FittedParameters
+
+__all__ = ["LayerBatch", "LayerFit", "attention_errors", "fit_layer"]
+
+
+class LayerBatch(NamedTuple):
+    """One calibration batch of one attention layer.
+
+    Attributes
+    ----------
+    q : array, shape ``(B, H, L, d)``
+    k : array, shape ``(B, H_kv, L, d)``
+    v : array, shape ``(B, H_kv, L, d_v)``
+    key_mask : boolean array, shape ``(B, L)``
+        True for real tokens (keys, and the query rows the loss counts).
+    exact_key_mask : boolean array, shape ``(B, L)``, optional
+        Keys every query attends to exactly (e.g. ``[SEP]``), as
+        :func:`linattn.linear_attention`'s ``exact_key_mask``.
+    """
+
+    q: Array
+    k: Array
+    v: Array
+    key_mask: Array
+    exact_key_mask: Array | None = None
+
+
+@dataclass
+class LayerFit:
+    """What :func:`fit_layer` found.
+
+    Attributes
+    ----------
+    feature_map : FeatureMap
+        The fitted map (``kind="hedgehog"``, per-head parameters, far weights; ``g = 0``
+        for the heads in ``exact_only``).
+    validation_error : numpy.ndarray, shape ``(H,)``
+        Relative error ``||out - exact|| / ||exact||`` per head on the validation split,
+        of the kept parameters.
+    exact_parts_error : numpy.ndarray, shape ``(H,)``
+        The same for the exact parts alone (window + sinks, ``g = 0``).
+    exact_only : numpy.ndarray of bool, shape ``(H_kv,)``
+        Key heads set to ``g = 0`` (their fit did not beat the exact parts).
+    steps : int
+        Gradient steps taken (early stopping may end before ``steps``).
+    seconds : float
+        Wall time of the fit.
+    history : list of (int, float)
+        ``(step, relative validation error of all heads)`` at each evaluation.
+    """
+
+    feature_map: FeatureMap
+    validation_error: np.ndarray
+    exact_parts_error: np.ndarray
+    exact_only: np.ndarray
+    steps: int
+    seconds: float
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+
+# -- the dense hybrid of one batch, and its gradient ------------------------------------
+
+
+@dataclass
+class _Parts:
+    """What one batch needs besides the parameters (grouped shapes, masks, target)."""
+
+    xp: Namespace
+    q: Array  # (B, H_kv, G, L, d)
+    k: Array  # (B, H_kv, 1, L, d)
+    v: Array  # (B, H_kv, 1, L, d_v)
+    near: Array  # (B, 1, 1, L, L) bool: exact keys
+    far: Array  # (B, 1, 1, L, L) bool: feature keys
+    log_exact: Array  # (B, H_kv, G, L, L): s q.k
+    rows: Array  # (B, 1, 1, L, 1) real query rows, as the dtype
+    target: Array  # (B, H_kv, G, L, d_v): exact softmax output
+    grouped: bool
+
+
+def _prepare(
+    batch: LayerBatch, window: int | None, sink_keys: int, causal: bool, scale: float
+) -> _Parts:
+    q, k, v, key_mask, exact = batch
+    xp = namespace_of({"q": q, "k": k, "v": v, "key_mask": key_mask})
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            "q, k and v must have shape (B, H, L, d), (B, H_kv, L, d) and (B, H_kv, L, d_v); "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    length = q.shape[-2]
+    if tuple(key_mask.shape) != (q.shape[0], length) or key_mask.dtype != xp.bool:
+        raise ValueError(
+            f"key_mask must be a boolean (B, L) = {(q.shape[0], length)} array; got "
+            f"{key_mask.dtype} {tuple(key_mask.shape)}"
+        )
+    if not bool(xp.any(key_mask)):
+        raise ValueError("key_mask must mark real tokens: a calibration batch has none")
+    if causal and exact is not None:
+        raise ValueError(
+            "exact_key_mask is for bidirectional attention (a causal query's exact keys are "
+            "its window and the sinks); got it in a causal fit"
+        )
+    gq, gk, gv, _, _ = grouped(q, k, v)
+    if gq.ndim == 4:  # no grouping: add the unit group axis
+        gq, gk, gv = gq[:, :, None], gk[:, :, None], gv[:, :, None]
+    device = array_device(q)
+    t = xp.arange(length, device=device)[:, None]
+    j = xp.arange(length, device=device)[None, :]
+    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
+    near = (j < sink_keys) & seen
+    if window is not None:
+        near = near | (seen & (xp.abs(t - j) < window))
+    real = key_mask[:, None, None, None, :]
+    near = near[None, None, None] & real
+    if exact is not None:
+        near = near | (exact[:, None, None, None, :] & real & seen)
+    far = seen & real & ~near
+    log_exact = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
+    allowed = seen & real
+    top = xp.max(
+        xp.where(allowed, log_exact, constant(xp, -math.inf, log_exact)), axis=-1, keepdims=True
+    )
+    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+    weights = xp.where(allowed, xp.exp(log_exact - top), xp.zeros_like(log_exact))
+    total = xp.sum(weights, axis=-1, keepdims=True)
+    target = xp.matmul(weights, gv) / xp.where(total > 0, total, xp.ones_like(total))
+    rows = xp.astype(key_mask, q.dtype)[:, None, None, :, None]
+    return _Parts(xp, gq, gk, gv, near, far, log_exact, rows, target, gq.shape[2] > 1)
+
+
+def _forward(
+    p: FittedParameters, parts: _Parts, use_far: Array | None
+) -> tuple[Array, dict[str, Any]]:
+    """The hybrid's output ``(B, H_kv, G, L, d_v)`` and what the backward pass needs."""
+    xp = parts.xp
+    p = fitted.grouped(p, int(parts.q.shape[2]))
+    lq = fitted.log_features(xp, p, parts.q, "query")
+    lk = fitted.log_features(xp, p, parts.k, "key")
+    a = xp.max(lq, axis=-1, keepdims=True)
+    b = xp.max(lk, axis=-1, keepdims=True)
+    eq, ek = xp.exp(lq - a), xp.exp(lk - b)
+    s = xp.matmul(eq, xp.matrix_transpose(ek))
+    tiny = constant(xp, 1e-300 if s.dtype == xp.float64 else 1e-37, s)
+    far = parts.far if use_far is None else parts.far & use_far
+    log_far = a + xp.matrix_transpose(b) + xp.log(xp.maximum(s, tiny))
+    neg = constant(xp, -math.inf, s)
+    log_w = xp.where(parts.near, parts.log_exact, xp.where(far, log_far, neg))
+    top = xp.max(log_w, axis=-1, keepdims=True)
+    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+    weights = xp.where(parts.near | far, xp.exp(log_w - top), xp.zeros_like(s))
+    total = xp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / xp.where(total > 0, total, xp.ones_like(total))
+    out = xp.matmul(probs, parts.v)
+    return out, {"eq": eq, "ek": ek, "s": s, "probs": probs, "far": far, "tiny": tiny}
+
+
+def _squared_error(parts: _Parts, out: Array) -> Array:
+    """Per-head sums of squared errors over real rows, ``(H_kv, G)`` on the host."""
+    xp = parts.xp
+    err = xp.sum(xp.sum((out - parts.target) ** 2 * parts.rows, axis=-1), axis=-1)
+    return np.asarray(to_host(xp.sum(err, axis=0)), dtype=np.float64)
+
+
+def _gradients(
+    p: FittedParameters, parts: _Parts, out: Array, saved: dict[str, Any], d_out: Array
+) -> dict[str, np.ndarray]:
+    """Host cotangents of every parameter (``far_weight`` as ``d log g``)."""
+    xp = parts.xp
+    probs, far, s = saved["probs"], saved["far"], saved["s"]
+    d_probs = xp.matmul(d_out, xp.matrix_transpose(parts.v))
+    row = xp.sum(d_out * out, axis=-1, keepdims=True)
+    d_log_w = probs * (d_probs - row)
+    h = xp.where(far, d_log_w / xp.maximum(s, saved["tiny"]), xp.zeros_like(s))
+    d_lq = saved["eq"] * xp.matmul(h, saved["ek"])
+    d_lk = saved["ek"] * xp.matmul(xp.matrix_transpose(h), saved["eq"])
+    if parts.grouped:
+        d_lk = xp.sum(d_lk, axis=2, keepdims=True)
+    pg = fitted.grouped(p, int(parts.q.shape[2]))
+    grads = fitted.parameter_vjp(xp, pg, parts.q, d_lq, "query")
+    key = fitted.parameter_vjp(xp, pg, parts.k, d_lk, "key")
+    grads = {name: value.reshape(getattr(p, name).shape) for name, value in grads.items()}
+    key = {name: value.reshape(getattr(p, name).shape) for name, value in key.items()}
+    d_log_g = key.pop("far_weight") * p.far_weight  # d/d(log g) = g d/dg
+    if p.tied:
+        grads["query_weight"] = grads["query_weight"] + key["key_weight"]
+        grads["query_bias"] = grads["query_bias"] + key["key_bias"]
+    else:
+        grads.update(key)
+    grads["log_far_weight"] = d_log_g
+    return grads
+
+
+def _batch_loss_grad(
+    p: FittedParameters, parts: _Parts
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    xp = parts.xp
+    out, saved = _forward(p, parts, None)
+    count = float(to_host(xp.sum(parts.rows))) * out.shape[-1]
+    d_out = 2.0 * (out - parts.target) * parts.rows / count
+    return _squared_error(parts, out) / count, _gradients(p, parts, out, saved, d_out)
+
+
+# -- Adam on host parameters ------------------------------------------------------------
+
+
+@dataclass
+class _Adam:
+    rate: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    step: int = 0
+    moments: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def update(
+        self, values: dict[str, np.ndarray], grads: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        self.step += 1
+        out = {}
+        for name, value in values.items():
+            g = grads[name]
+            m, v = self.moments.get(name, (np.zeros_like(value), np.zeros_like(value)))
+            m = self.beta1 * m + (1 - self.beta1) * g
+            v = self.beta2 * v + (1 - self.beta2) * g * g
+            self.moments[name] = (m, v)
+            m_hat = m / (1 - self.beta1**self.step)
+            v_hat = v / (1 - self.beta2**self.step)
+            out[name] = value - self.rate * m_hat / (np.sqrt(v_hat) + self.eps)
+        return out
+
+
+def _values(p: FittedParameters) -> dict[str, np.ndarray]:
+    names = ["query_weight", "query_bias"] + ([] if p.tied else ["key_weight", "key_bias"])
+    values = {name: np.array(getattr(p, name)) for name in names}
+    values["log_far_weight"] = np.array(fitted.log_far_weight(p))
+    return values
+
+
+def _parameters(values: dict[str, np.ndarray], tied: bool) -> FittedParameters:
+    return fitted.check_parameters(
+        values["query_weight"],
+        values["query_bias"],
+        None if tied else values["key_weight"],
+        None if tied else values["key_bias"],
+        np.exp(values["log_far_weight"]),
+        tied=tied,
+    )
+
+
+# -- the fit ---------------------------------------------------------------------------
+
+
+def attention_errors(
+    feature_map: FeatureMap | None,
+    batches: Sequence[LayerBatch],
+    *,
+    window: int | None,
+    sink_keys: int = 0,
+    causal: bool = False,
+    scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-head squared errors of the hybrid against exact attention, and the exact
+    output's squared norms, summed over ``batches`` (real query rows): ``(H,)`` each.
+
+    ``feature_map=None`` measures the exact parts alone (window + sinks).  The relative
+    error of head ``h`` is ``sqrt(err[h] / norm[h])``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.normal(size=(1, 2, 6, 4)) for _ in range(3))
+    >>> batch = LayerBatch(q, k, v, np.ones((1, 6), dtype=bool))
+    >>> err, norm = attention_errors(None, [batch], window=6)  # the window holds every key
+    >>> bool(np.all(err < 1e-20)), norm.shape
+    (True, (2,))
+    """
+    err_total: np.ndarray | None = None
+    norm_total: np.ndarray | None = None
+    for batch in batches:
+        head_dim = int(batch.q.shape[-1])
+        parts = _prepare(batch, window, sink_keys, causal, check_scale(scale, head_dim))
+        p = _exact_parts_parameters(parts, feature_map)
+        out, _ = _forward(p, parts, None)
+        err = _squared_error(parts, out).reshape(-1)
+        xp = parts.xp
+        norm = np.asarray(
+            to_host(
+                xp.sum(xp.sum(xp.sum(parts.target**2 * parts.rows, axis=-1), axis=-1), axis=0)
+            ),
+            dtype=np.float64,
+        ).reshape(-1)
+        err_total = err if err_total is None else err_total + err
+        norm_total = norm if norm_total is None else norm_total + norm
+    if err_total is None or norm_total is None:
+        raise ValueError("batches must hold at least one LayerBatch; got none")
+    return err_total, norm_total
+
+
+def _exact_parts_parameters(parts: _Parts, feature_map: FeatureMap | None) -> FittedParameters:
+    """The map's parameters, or any map's with ``g = 0`` (the exact parts alone)."""
+    if feature_map is not None:
+        if feature_map.parameters is None:
+            raise ValueError(
+                f"feature_map must be a fitted (hedgehog) map; got kind={feature_map.kind!r}"
+            )
+        return feature_map.parameters
+    d = int(parts.q.shape[-1])
+    return fitted.check_parameters(np.eye(d), far_weight=0.0, tied=True)
+
+
+def fit_layer(
+    fit: Sequence[LayerBatch],
+    validation: Sequence[LayerBatch],
+    *,
+    num_features: int = 64,
+    window: int | None,
+    sink_keys: int = 0,
+    causal: bool = False,
+    scale: float | None = None,
+    tied: bool = False,
+    steps: int = 300,
+    learning_rate: float = 1e-2,
+    evaluate_every: int = 25,
+    patience: int = 3,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> LayerFit:
+    """Fit one layer's per-head maps and far weights to its exact attention.
+
+    Parameters
+    ----------
+    fit, validation : sequence of LayerBatch
+        Calibration batches of this layer, from disjoint texts: ``fit`` takes the Adam
+        steps (one batch per step, in a seeded order), ``validation`` chooses, per head,
+        the parameters kept (early stopping) and ``g = 0`` where the fit does not beat
+        the exact parts alone.
+    num_features : int, default 64
+        ``m``, features per head (``W`` is ``d x m/2``).
+    window, sink_keys, causal, scale
+        The exact parts and softmax scale, as :func:`linattn.linear_attention` will
+        be called with them (``scale`` default ``1 / sqrt(d)``).
+    tied : bool, default False
+        One map for queries and keys.
+    steps, learning_rate, evaluate_every, patience
+        Adam steps at most, its rate, steps between validation passes, and passes
+        without a better head before stopping.
+    seed : int, default 0
+        The start's noise and the batch order: the fit is deterministic for a seed.
+    progress : callable, optional
+        Called with a one-line status after each validation pass (the default prints
+        it on stderr when stderr is a terminal).
+
+    Returns
+    -------
+    LayerFit
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> from linattn.transfer import LayerBatch, fit_layer
+    >>> rng = np.random.default_rng(0)
+    >>> def batch():
+    ...     q, k, v = (rng.normal(size=(2, 2, 16, 4)) for _ in range(3))
+    ...     return LayerBatch(q, k, v, np.ones((2, 16), dtype=bool))
+    >>> result = fit_layer([batch()], [batch()], num_features=8, window=2, steps=20,
+    ...                    evaluate_every=10, progress=lambda line: None)
+    >>> result.feature_map.kind, result.feature_map.parameters.query_weight.shape
+    ('hedgehog', (2, 4, 4))
+    """
+    if not fit or not validation:
+        raise ValueError("fit and validation must each hold at least one LayerBatch")
+    start = time.perf_counter()
+    first = fit[0]
+    heads, key_heads, head_dim = (
+        int(first.q.shape[1]),
+        int(first.k.shape[1]),
+        int(first.q.shape[-1]),
+    )
+    scale = check_scale(scale, head_dim)
+    if tied and heads != key_heads:
+        raise ValueError(
+            f"tied=True needs as many key heads as query heads; got {key_heads} and {heads}"
+        )
+    report = progress if progress is not None else _terminal_progress
+    fit_parts = [_prepare(b, window, sink_keys, causal, scale) for b in fit]
+    val_parts = [_prepare(b, window, sink_keys, causal, scale) for b in validation]
+    p = fitted.initial_parameters(
+        head_dim, num_features, heads=heads, key_heads=key_heads, tied=tied, seed=seed
+    )
+    p = _start_far_weight(p, fit_parts[0])
+    values = _values(p)
+
+    def val_errors(params: FittedParameters) -> np.ndarray:
+        total = sum(_squared_error(parts, _forward(params, parts, None)[0]) for parts in val_parts)
+        return np.asarray(total).reshape(key_heads, -1)
+
+    norms = np.sum([_squared_norm(parts) for parts in val_parts], axis=0).reshape(key_heads, -1)
+    base = val_errors(fitted.check_parameters(np.eye(head_dim), far_weight=0.0, tied=True))
+    best_err = val_errors(p)
+    best = {name: value.copy() for name, value in values.items()}
+    adam = _Adam(learning_rate)
+    order = np.random.default_rng(seed).permutation
+    queue: list[int] = []
+    history = [(0, float(np.sqrt(best_err.sum() / norms.sum())))]
+    since, step = 0, 0
+    for step in range(1, steps + 1):
+        if not queue:
+            queue = list(order(len(fit_parts)))
+        _, grads = _batch_loss_grad(p, fit_parts[queue.pop()])
+        values = adam.update(values, grads)
+        p = _parameters(values, tied)
+        if step % evaluate_every and step != steps:
+            continue
+        err = val_errors(p)
+        history.append((step, float(np.sqrt(err.sum() / norms.sum()))))
+        report(
+            f"step {step}/{steps}: validation error {history[-1][1]:.4f} "
+            f"(window + sinks {np.sqrt(base.sum() / norms.sum()):.4f})"
+        )
+        better = err.sum(axis=1) < best_err.sum(axis=1)  # per key head (its groups share it)
+        if not better.any():
+            since += 1
+            if since >= patience:
+                break
+            continue
+        since = 0
+        best_err = np.where(better[:, None], err, best_err)
+        for name, value in values.items():
+            _take_heads(best[name], value, better, heads, key_heads, name, tied)
+    exact_only = best_err.sum(axis=1) >= base.sum(axis=1)
+    best["log_far_weight"] = np.where(exact_only, -np.inf, best["log_far_weight"])
+    kept = _parameters(best, tied)
+    fm = FeatureMap.fitted(
+        kept.query_weight,
+        kept.query_bias,
+        key_weight=None if tied else kept.key_weight,
+        key_bias=None if tied else kept.key_bias,
+        far_weight=kept.far_weight,
+        tied=tied,
+        scale=scale,
+    )
+    final = np.where(exact_only[:, None], base, best_err)
+    return LayerFit(
+        feature_map=fm,
+        validation_error=np.sqrt(final / norms).reshape(-1),
+        exact_parts_error=np.sqrt(base / norms).reshape(-1),
+        exact_only=exact_only,
+        steps=step,
+        seconds=time.perf_counter() - start,
+        history=history,
+    )
+
+
+def _take_heads(
+    best: np.ndarray,
+    value: np.ndarray,
+    better: np.ndarray,
+    heads: int,
+    key_heads: int,
+    name: str,
+    tied: bool,
+) -> None:
+    """Copy the improved key heads' slices of ``value`` into ``best`` (in place)."""
+    if value.ndim == 0:
+        return
+    if name.startswith("key") or name == "log_far_weight":
+        best[better] = value[better]
+        return
+    group = heads // key_heads  # query parameters: every query head of an improved key head
+    chosen = np.repeat(better, group)
+    best[chosen] = value[chosen]
+
+
+def _squared_norm(parts: _Parts) -> np.ndarray:
+    xp = parts.xp
+    norm = xp.sum(xp.sum(parts.target**2 * parts.rows, axis=-1), axis=-1)
+    return np.asarray(to_host(xp.sum(norm, axis=0)), dtype=np.float64)
+
+
+def _start_far_weight(p: FittedParameters, parts: _Parts) -> FittedParameters:
+    """``g``'s start per key head: the median over real rows of the exact far mass over
+    the initial map's far mass (both relative to the row's near mass)."""
+    xp = parts.xp
+    _, saved = _forward(p, parts, None)
+    probs_far = xp.sum(
+        xp.where(saved["far"], saved["probs"], xp.zeros_like(saved["probs"])), axis=-1
+    )
+    # exact far mass over near mass, per row
+    allowed = parts.near | parts.far
+    top = xp.max(
+        xp.where(allowed, parts.log_exact, constant(xp, -math.inf, parts.log_exact)),
+        axis=-1,
+        keepdims=True,
+    )
+    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+    e = xp.exp(parts.log_exact - top)
+    zero = xp.zeros_like(e)
+    exact_near = xp.sum(xp.where(parts.near, e, zero), axis=-1)
+    exact_far = xp.sum(xp.where(parts.far, e, zero), axis=-1)
+    ratio_exact = to_host(exact_far / xp.maximum(exact_near, constant(xp, 1e-300, exact_near)))
+    mapped = to_host(probs_far / xp.maximum(1 - probs_far, constant(xp, 1e-300, probs_far)))
+    rows = to_host(parts.rows[..., 0])[:, 0, 0] > 0  # (B, L)
+    g = np.ones(p.far_weight.shape if p.far_weight.ndim else ())
+    key_heads = ratio_exact.shape[1]
+    for h in range(key_heads):
+        num = np.asarray(ratio_exact[:, h], dtype=np.float64)  # (B, G, L)
+        den = np.asarray(mapped[:, h], dtype=np.float64)
+        ok = np.broadcast_to(rows[:, None, :], num.shape) & (num > 0) & (den > 0)
+        if ok.any():
+            value = float(np.exp(np.median(np.log(num[ok]) - np.log(den[ok]))))
+            if g.ndim:
+                g[h] = value
+            else:
+                g = np.asarray(value)
+    return fitted.check_parameters(
+        p.query_weight,
+        p.query_bias,
+        None if p.tied else p.key_weight,
+        None if p.tied else p.key_bias,
+        g,
+        tied=p.tied,
+    )
+
+
+def _terminal_progress(line: str) -> None:
+    if sys.stderr.isatty():
+        print(f"\r{line}", end="", file=sys.stderr, flush=True)
