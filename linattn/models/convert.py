@@ -1,0 +1,320 @@
+"""Convert a NumPy BERT encoder's attention to fitted linear attention, weights frozen.
+
+Every layer gets per-head fitted maps and far weights (:func:`linattn.transfer.fit_layer`)
+for the hybrid ``window`` + ``sink_keys`` + each row's ``[SEP]`` exact, fitted features
+on every other key.  Activations are streamed layer by layer: memory holds one layer's
+hidden states of the calibration texts, never every layer's queries and keys.
+
+Stitching the layers (``stitch``):
+
+* ``"exact"``: layer ``l`` is fitted on the exact model's activations;
+* ``"converted"``: layer ``l`` is fitted on the activations produced with the layers
+  before it already converted (each fit sees the inputs it will meet).
+
+The fitted maps save to and load from one safetensors file with the model's fingerprint
+and the library version (:func:`save_fitted`, :func:`load_fitted`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import linattn as la
+from linattn.models.bert import BertEncoder, exact_attention
+from linattn.transfer import LayerBatch, LayerFit, fit_layer
+
+__all__ = [
+    "ConvertedEncoder",
+    "FittedAttention",
+    "convert_encoder",
+    "load_fitted",
+    "model_fingerprint",
+    "save_fitted",
+]
+
+#: What a fitted file holds besides the maps (keys of its metadata).
+FORMAT = "linattn-fitted-maps/1"
+
+Batch = tuple[np.ndarray, np.ndarray]  # (input_ids (B, L), key_mask (B, L))
+
+
+def model_fingerprint(encoder: BertEncoder) -> str:
+    """SHA-256 (16 hex digits) of the encoder's configuration and every weight.
+
+    Examples
+    --------
+    >>> from linattn.models.bert import BertConfig, random_weights
+    >>> config = BertConfig(8, 2, 1, 1e-12)
+    >>> len(model_fingerprint(BertEncoder(random_weights(config, 50), config)))
+    16
+    """
+    digest = hashlib.sha256(repr(encoder.config).encode())
+    for name in sorted(encoder.weights):
+        digest.update(name.encode() + np.ascontiguousarray(encoder.weights[name]).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def sep_mask(key_mask: np.ndarray) -> np.ndarray:
+    """``(B, L)``: each row's last real token (``[SEP]``)."""
+    exact = np.zeros(key_mask.shape, dtype=bool)
+    lengths = key_mask.sum(axis=1)
+    rows = np.flatnonzero(lengths > 0)
+    exact[rows, lengths[rows] - 1] = True
+    return exact
+
+
+@dataclass
+class FittedAttention:
+    """The attention callable of a converted encoder (``attention(q, k, v, mask, layer)``).
+
+    ``maps[l]`` is layer ``l``'s fitted map (None: the exact parts alone).
+    """
+
+    maps: list[la.FeatureMap | None]
+    window: int | None
+    sink_keys: int = 1
+    exact_sep: bool = True
+
+    def __call__(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray, layer: int
+    ) -> np.ndarray:
+        mask = key_mask[:, None, :]
+        exact = sep_mask(key_mask)[:, None, :] if self.exact_sep else None
+        fm = self.maps[layer]
+        out: np.ndarray = la.linear_attention(
+            q,
+            k,
+            v,
+            fm,
+            key_mask=mask,
+            window=self.window,
+            sink_keys=self.sink_keys,
+            exact_key_mask=exact,
+            scale=None if fm is not None else 1.0 / np.sqrt(q.shape[-1]),
+        )
+        return out
+
+
+@dataclass
+class ConvertedEncoder:
+    """What :func:`convert_encoder` returns: the attention callable and each layer's fit."""
+
+    attention: FittedAttention
+    fits: list[LayerFit]
+    options: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+
+    @property
+    def seconds(self) -> float:
+        """The fits' total wall time (activations included in the caller's clock only)."""
+        return float(sum(f.seconds for f in self.fits))
+
+
+def _layer_batches(
+    encoder: BertEncoder, hidden: list[np.ndarray], batches: Sequence[Batch], layer: int
+) -> tuple[list[LayerBatch], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    out, qkv = [], []
+    for h, (_, mask) in zip(hidden, batches, strict=True):
+        q, k, v = encoder.qkv(h, layer)
+        out.append(LayerBatch(q, k, v, np.asarray(mask, dtype=bool), sep_mask(mask)))
+        qkv.append((q, k, v))
+    return out, qkv
+
+
+def convert_encoder(
+    encoder: BertEncoder,
+    fit: Sequence[Batch],
+    validation: Sequence[Batch],
+    *,
+    window: int | None = 16,
+    sink_keys: int = 1,
+    num_features: int = 64,
+    stitch: str = "exact",
+    steps: int = 300,
+    learning_rate: float = 1e-2,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> ConvertedEncoder:
+    """Fit every layer's maps and far weights; the encoder's weights stay as they are.
+
+    Parameters
+    ----------
+    encoder : BertEncoder
+    fit, validation : sequence of (input_ids, key_mask)
+        Tokenised calibration batches from disjoint texts (see
+        :func:`linattn.transfer.fit_layer`); keep a third split for measuring.
+    window, sink_keys : int
+        The exact parts (``[SEP]`` is always exact as well).
+    num_features : int, default 64
+    stitch : {"exact", "converted"}
+        Fit each layer on the exact model's activations, or on those of the model with
+        the earlier layers converted.
+    steps, learning_rate, seed, progress
+        As :func:`linattn.transfer.fit_layer` (``seed + layer`` per layer).
+
+    Examples
+    --------
+    >>> from linattn.models.bert import BertConfig, random_weights
+    >>> config = BertConfig(8, 2, 1, 1e-12)
+    >>> enc = BertEncoder(random_weights(config, 50), config)
+    >>> ids, mask = np.arange(12).reshape(2, 6) % 50, np.ones((2, 6), dtype=bool)
+    >>> done = convert_encoder(enc, [(ids, mask)], [(ids, mask)], window=2, num_features=4,
+    ...                        steps=5, progress=lambda line: None)
+    >>> len(done.fits), enc.encode(ids, mask, done.attention).shape
+    (1, (2, 8))
+    """
+    if stitch not in ("exact", "converted"):
+        raise ValueError(f"stitch must be 'exact' or 'converted'; got {stitch!r}")
+    if not fit or not validation:
+        raise ValueError("fit and validation must each hold at least one batch")
+    for name, split in (("fit", fit), ("validation", validation)):
+        for ids, mask in split:
+            if np.asarray(mask).shape != np.asarray(ids).shape or not np.any(mask):
+                raise ValueError(
+                    f"{name} batches must be (input_ids, key_mask) of one (B, L) shape with "
+                    "real tokens; got one without them or with mismatched shapes"
+                )
+    attention = FittedAttention([], window, sink_keys)
+    splits = {"fit": list(fit), "validation": list(validation)}
+    hidden = {name: [encoder.embed(np.asarray(ids)) for ids, _ in b] for name, b in splits.items()}
+    fits = []
+    for layer in range(encoder.config.num_layers):
+        data = {
+            name: _layer_batches(encoder, hidden[name], splits[name], layer) for name in splits
+        }
+        result = fit_layer(
+            data["fit"][0],
+            data["validation"][0],
+            num_features=num_features,
+            window=window,
+            sink_keys=sink_keys,
+            steps=steps,
+            learning_rate=learning_rate,
+            seed=seed + layer,
+            progress=(lambda line, layer=layer: progress(f"layer {layer}: {line}"))
+            if progress is not None
+            else None,
+        )
+        fits.append(result)
+        attention.maps.append(result.feature_map)
+        for name in splits:
+            advanced = []
+            for h, (q, k, v), (_, mask) in zip(
+                hidden[name], data[name][1], splits[name], strict=True
+            ):
+                mask = np.asarray(mask, dtype=bool)
+                if stitch == "exact":
+                    context = exact_attention(q, k, v, mask, layer)
+                else:
+                    context = attention(q, k, v, mask, layer)
+                advanced.append(encoder.finish_layer(h, np.asarray(context, np.float32), layer))
+            hidden[name] = advanced
+    options = {
+        "window": window,
+        "sink_keys": sink_keys,
+        "exact_keys": "sep",
+        "num_features": num_features,
+        "stitch": stitch,
+        "steps": steps,
+        "seed": seed,
+    }
+    return ConvertedEncoder(attention, fits, options, model_fingerprint(encoder))
+
+
+def save_fitted(path: str | Path, converted: ConvertedEncoder) -> Path:
+    """Write the fitted maps to one safetensors file (with fingerprint, version, options).
+
+    Returns the path written.  :func:`load_fitted` reads it back with no refit.
+    """
+    from safetensors.numpy import save_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for layer, fm in enumerate(converted.attention.maps):
+        if fm is None:
+            continue
+        assert fm.parameters is not None
+        for name, array in fm.parameters.arrays().items():
+            tensors[f"layer.{layer}.{name}"] = np.ascontiguousarray(array)
+    metadata = {
+        "format": FORMAT,
+        "linattn_version": la.__version__,
+        "model_fingerprint": converted.fingerprint,
+        "num_layers": str(len(converted.attention.maps)),
+        "options": json.dumps(converted.options, sort_keys=True),
+        "scales": json.dumps(
+            [None if fm is None else fm.scale for fm in converted.attention.maps]
+        ),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def load_fitted(
+    path: str | Path, *, encoder: BertEncoder | None = None, fingerprint: str | None = None
+) -> tuple[list[tuple[la.FeatureMap | None, np.ndarray | None]], dict[str, Any]]:
+    """The fitted maps of one model: ``[(feature_map, far_weight) per layer]`` and options.
+
+    Usable with :func:`linattn.linear_attention` directly (the far weight is the map's
+    ``parameters.far_weight``, given for reading).  The file's model fingerprint must
+    match ``encoder``'s (or ``fingerprint``), and its library version this one's.
+
+    Raises
+    ------
+    ValueError
+        The file is not a fitted-maps file, or it belongs to another model or another
+        linattn version.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    with safe_open(str(path), framework="numpy") as f:
+        metadata = f.metadata() or {}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a linattn fitted-maps file (format {FORMAT})")
+    expected = model_fingerprint(encoder) if encoder is not None else fingerprint
+    if expected is not None and metadata.get("model_fingerprint") != expected:
+        raise ValueError(
+            f"{path} was fitted for another model (fingerprint "
+            f"{metadata.get('model_fingerprint')}); this model's is {expected}"
+        )
+    if metadata.get("linattn_version") != la.__version__:
+        raise ValueError(
+            f"{path} was written by linattn {metadata.get('linattn_version')}; this is "
+            f"{la.__version__}: refit the maps"
+        )
+    scales = json.loads(metadata["scales"])
+    layers: list[tuple[la.FeatureMap | None, np.ndarray | None]] = []
+    for layer in range(int(metadata["num_layers"])):
+        prefix = f"layer.{layer}."
+        if f"{prefix}query_weight" not in tensors:
+            layers.append((None, None))
+            continue
+        tied = f"{prefix}key_weight" not in tensors
+        fm = la.FeatureMap.fitted(
+            tensors[f"{prefix}query_weight"],
+            tensors[f"{prefix}query_bias"],
+            key_weight=None if tied else tensors[f"{prefix}key_weight"],
+            key_bias=None if tied else tensors[f"{prefix}key_bias"],
+            far_weight=tensors[f"{prefix}far_weight"],
+            tied=tied,
+            scale=scales[layer],
+        )
+        assert fm.parameters is not None
+        layers.append((fm, fm.parameters.far_weight))
+    return layers, json.loads(metadata["options"])
+
+
+def attention_from_file(path: str | Path, encoder: BertEncoder) -> FittedAttention:
+    """The converted encoder's attention callable, loaded with no refit."""
+    layers, options = load_fitted(path, encoder=encoder)
+    return FittedAttention([fm for fm, _ in layers], options["window"], options["sink_keys"], True)
