@@ -1,4 +1,4 @@
-"""Fitted attention (attention transfer) on all-MiniLM-L6-v2, NumPy only: figures on the test split.
+"""Fitted attention (attention transfer) on all-MiniLM-L6-v2, NumPy only, on the test split.
 
 Every attention layer of the NumPy MiniLM (``linattn.models``) is converted with
 :func:`linattn.models.convert.convert_encoder` (per-head Hedgehog maps and far weights
@@ -140,7 +140,8 @@ def main() -> None:
         f"# {args.data}: fit {sum(len(i) for i, _ in parts['fit'])} rows, validation "
         f"{sum(len(i) for i, _ in parts['validation'])}, test {len(test_lengths)} "
         f"(tokens {test_lengths.min()}-{test_lengths.max()}); steps {args.steps}, batch "
-        f"{args.batch}, lr {args.lr}; OMP_NUM_THREADS={threads}; exact encode {exact_seconds:.1f} s"
+        f"{args.batch}, lr {args.lr}; OMP_NUM_THREADS={threads}; exact encode "
+        f"{exact_seconds:.1f} s"
     )
     results = []
     for window in args.window:
@@ -184,7 +185,9 @@ def main() -> None:
                     ours, theirs = layer_errors(encoder, parts["test"], done.attention, base)
                     row["layer_error"] = [round(float(x), 4) for x in ours]
                     row["layer_error_window_sinks"] = [round(float(x), 4) for x in theirs]
-                    row["layer_ratio"] = [round(float(a / b), 3) for a, b in zip(ours, theirs)]
+                    row["layer_ratio"] = [
+                        round(float(a / b), 3) for a, b in zip(ours, theirs, strict=True)
+                    ]
                 results.append(row)
                 print(json.dumps(row))
     if args.json:
