@@ -18,7 +18,6 @@ and the library version (:func:`save_fitted`, :func:`load_fitted`).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 
 import linattn as la
 from linattn.models.bert import BertEncoder, exact_attention
-from linattn.transfer import LayerBatch, LayerFit, fit_layer
+from linattn.transfer import LayerBatch, LayerFit, fit_layer, load_maps, save_maps
 
 __all__ = [
     "ConvertedEncoder",
@@ -38,9 +37,6 @@ __all__ = [
     "model_fingerprint",
     "save_fitted",
 ]
-
-#: What a fitted file holds besides the maps (keys of its metadata).
-FORMAT = "linattn-fitted-maps/1"
 
 Batch = tuple[np.ndarray, np.ndarray]  # (input_ids (B, L), key_mask (B, L))
 
@@ -229,92 +225,23 @@ def convert_encoder(
 
 
 def save_fitted(path: str | Path, converted: ConvertedEncoder) -> Path:
-    """Write the fitted maps to one safetensors file (with fingerprint, version, options).
-
-    Returns the path written.  :func:`load_fitted` reads it back with no refit.
-    """
-    from safetensors.numpy import save_file
-
-    tensors: dict[str, np.ndarray] = {}
-    for layer, fm in enumerate(converted.attention.maps):
-        if fm is None:
-            continue
-        assert fm.parameters is not None
-        for name, array in fm.parameters.arrays().items():
-            tensors[f"layer.{layer}.{name}"] = np.ascontiguousarray(array)
-    metadata = {
-        "format": FORMAT,
-        "linattn_version": la.__version__,
-        "model_fingerprint": converted.fingerprint,
-        "num_layers": str(len(converted.attention.maps)),
-        "options": json.dumps(converted.options, sort_keys=True),
-        "scales": json.dumps(
-            [None if fm is None else fm.scale for fm in converted.attention.maps]
-        ),
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=metadata)
-    return path
+    """Write the fitted maps to one safetensors file (:func:`linattn.transfer.save_maps`)."""
+    return save_maps(
+        path,
+        converted.attention.maps,
+        model_fingerprint=converted.fingerprint,
+        options=converted.options,
+    )
 
 
 def load_fitted(
-    path: str | Path, *, encoder: BertEncoder | None = None, fingerprint: str | None = None
+    path: str | Path, encoder: BertEncoder
 ) -> tuple[list[tuple[la.FeatureMap | None, np.ndarray | None]], dict[str, Any]]:
-    """The fitted maps of one model: ``[(feature_map, far_weight) per layer]`` and options.
-
-    Usable with :func:`linattn.linear_attention` directly (the far weight is the map's
-    ``parameters.far_weight``, given for reading).  The file's model fingerprint must
-    match ``encoder``'s (or ``fingerprint``), and its library version this one's.
-
-    Raises
-    ------
-    ValueError
-        The file is not a fitted-maps file, or it belongs to another model or another
-        linattn version.
-    """
-    from safetensors import safe_open
-
-    path = Path(path)
-    with safe_open(str(path), framework="numpy") as f:
-        metadata = f.metadata() or {}
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a linattn fitted-maps file (format {FORMAT})")
-    expected = model_fingerprint(encoder) if encoder is not None else fingerprint
-    if expected is not None and metadata.get("model_fingerprint") != expected:
-        raise ValueError(
-            f"{path} was fitted for another model (fingerprint "
-            f"{metadata.get('model_fingerprint')}); this model's is {expected}"
-        )
-    if metadata.get("linattn_version") != la.__version__:
-        raise ValueError(
-            f"{path} was written by linattn {metadata.get('linattn_version')}; this is "
-            f"{la.__version__}: refit the maps"
-        )
-    scales = json.loads(metadata["scales"])
-    layers: list[tuple[la.FeatureMap | None, np.ndarray | None]] = []
-    for layer in range(int(metadata["num_layers"])):
-        prefix = f"layer.{layer}."
-        if f"{prefix}query_weight" not in tensors:
-            layers.append((None, None))
-            continue
-        tied = f"{prefix}key_weight" not in tensors
-        fm = la.FeatureMap.fitted(
-            tensors[f"{prefix}query_weight"],
-            tensors[f"{prefix}query_bias"],
-            key_weight=None if tied else tensors[f"{prefix}key_weight"],
-            key_bias=None if tied else tensors[f"{prefix}key_bias"],
-            far_weight=tensors[f"{prefix}far_weight"],
-            tied=tied,
-            scale=scales[layer],
-        )
-        assert fm.parameters is not None
-        layers.append((fm, fm.parameters.far_weight))
-    return layers, json.loads(metadata["options"])
+    """The fitted maps of ``encoder`` (:func:`linattn.transfer.load_maps`, fingerprint checked)."""
+    return load_maps(path, model_fingerprint=model_fingerprint(encoder))
 
 
 def attention_from_file(path: str | Path, encoder: BertEncoder) -> FittedAttention:
     """The converted encoder's attention callable, loaded with no refit."""
-    layers, options = load_fitted(path, encoder=encoder)
+    layers, options = load_fitted(path, encoder)
     return FittedAttention([fm for fm, _ in layers], options["window"], options["sink_keys"], True)
