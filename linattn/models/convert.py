@@ -124,6 +124,13 @@ def _layer_batches(
     return out, qkv
 
 
+def _prefixed(progress: Callable[[str], None] | None, prefix: str) -> Callable[[str], None] | None:
+    if progress is None:
+        return None
+    report = progress
+    return lambda line: report(prefix + line)
+
+
 def convert_encoder(
     encoder: BertEncoder,
     fit: Sequence[Batch],
@@ -194,9 +201,7 @@ def convert_encoder(
             steps=steps,
             learning_rate=learning_rate,
             seed=seed + layer,
-            progress=(lambda line, layer=layer: progress(f"layer {layer}: {line}"))
-            if progress is not None
-            else None,
+            progress=_prefixed(progress, f"layer {layer}: "),
         )
         fits.append(result)
         attention.maps.append(result.feature_map)
