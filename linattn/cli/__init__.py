@@ -1,4 +1,5 @@
-"""``linattn``: the command line (``demo``, ``accuracy``, ``bench``, ``info``, ``compile``).
+"""``linattn``: the command line (``demo``, ``accuracy``, ``bench``, ``info``, ``compile``,
+``convert``).
 
 ``linattn demo`` is the main job: in under a minute on a laptop-class CPU it shows
 how close FAVOR+ comes to exact softmax attention as the number of random
@@ -18,7 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from linattn.cli import _commands, _compile, _info, _options, _preflight
+from linattn.cli import _commands, _compile, _convert, _info, _options, _preflight
 from linattn.cli._options import CommandError
 
 __all__ = ["build_parser", "main"]
@@ -29,6 +30,7 @@ COMMANDS = {
     "bench": _commands.bench,
     "info": _info.info,
     "compile": _compile.compile_kernels,
+    "convert": _convert.convert,
 }
 
 

@@ -108,6 +108,24 @@ def plot_model_accuracy(payload: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def _fitted_configs(folder: Path) -> list[Any]:
+    """Window + sinks and the fitted maps in ``folder`` (with the window they were fitted for)."""
+    from linattn.cli._convert import FITTED_FILE
+    from linattn.models.accuracy import Config
+    from linattn.transfer import load_maps
+
+    path = Path(folder) / FITTED_FILE
+    try:
+        _, options = load_maps(path, model_fingerprint=None)
+    except ValueError as error:
+        raise CommandError(f"--fitted {folder}: {error}") from None
+    window = options.get("window")
+    return [
+        Config("window+sinks", window=window, sinks=True),
+        Config("fitted", window=window, sinks=True, fitted=str(path)),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model, measure every configuration, print the tables (or JSON)."""
     from linattn.models import ModelUnavailable, load_model
@@ -122,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise CommandError(f"--model {args.model}: {error}") from None
     texts = load_texts(args.texts)
-    configs = default_configs()
+    configs = default_configs() if args.fitted is None else _fitted_configs(args.fitted)
     batch_size = 20
     steps = math.ceil(len(texts) / batch_size) * (len(configs) + 1)
     with progress(args.format == "table") as bar:

@@ -323,6 +323,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the first N benchmark texts (default: all; a multiple of 5 keeps the mix)",
     )
+    group.add_argument(
+        "--fitted",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="measure the fitted maps `linattn convert` wrote to DIR (against window + "
+        "sinks with the same window) instead of the default configurations",
+    )
     group.add_argument("--plot", type=Path, default=None, metavar="FILE", help="PNG plot")
     group.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="every figure, per head too"
@@ -408,9 +416,48 @@ def build_parser(
         help="comma-separated subset of float32,float64 (default: both)",
     )
     add_format(compile_, ("table", "json"))
+    convert = commands.add_parser(
+        "convert",
+        help="fit every attention layer of a BERT sentence encoder to linear attention "
+        "(fitted feature maps, the model's weights untouched)",
+        description="Attention transfer: per head, a fitted feature map and far weight for "
+        "the window + sinks hybrid, fitted to each layer's exact attention on your texts "
+        "(one per line; every --validation-every-th one is held out for early stopping). "
+        "Writes DIR/fitted.safetensors and DIR/report.json; measure the result on other "
+        "texts with `linattn accuracy --model ... --fitted DIR`.",
+    )
+    convert.add_argument("--model", required=True, metavar="PATH|minilm", help="as accuracy's")
+    convert.add_argument(
+        "--texts", type=Path, required=True, metavar="FILE", help="calibration texts, one per line"
+    )
+    convert.add_argument(
+        "--out", type=Path, default=Path("linattn-fitted"), metavar="DIR",
+        help="output folder (default: linattn-fitted)",
+    )  # fmt: skip
+    convert.add_argument(
+        "--window", type=number(integer=True, positive=True), default=16,
+        help="exact window (default: 16)",
+    )  # fmt: skip
+    convert.add_argument(
+        "--num-features", type=number(integer=True, positive=True), default=64,
+        help="fitted features per head, even (default: 64)",
+    )  # fmt: skip
+    convert.add_argument(
+        "--steps", type=number(integer=True, positive=True), default=150,
+        help="Adam steps per layer at most (default: 150)",
+    )  # fmt: skip
+    convert.add_argument(
+        "--validation-every", type=number(integer=True, positive=True), default=4,
+        help="every N-th text is a validation text (default: 4)",
+    )  # fmt: skip
+    convert.add_argument(
+        "--batch-size", type=number(integer=True, positive=True), default=8,
+        help="texts per step (default: 8)",
+    )  # fmt: skip
+    convert.add_argument("--seed", type=_seed, default=0, help="seed (default: 0)")
     commands_ = (
         ("demo", demo), ("accuracy", accuracy), ("bench", bench), ("info", info),
-        ("compile", compile_),
+        ("compile", compile_), ("convert", convert),
     )  # fmt: skip
     for name, sub in commands_:
         sub.set_defaults(run=run[name], parser=sub)

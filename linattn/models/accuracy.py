@@ -91,10 +91,13 @@ class Config:
     window: int | None = None
     sinks: bool = False
     shared_draw: bool = False
+    fitted: str | None = None
 
     @property
     def label(self) -> str:
         parts = []
+        if self.fitted is not None:
+            return f"w={self.window} + sinks + fitted ({self.fitted})"
         if self.window is not None:
             parts.append(f"w={self.window}")
         if self.sinks:
@@ -328,7 +331,12 @@ def measure(
     for index, config in enumerate(configs):
         result = ConfigResult(config)
         try:
-            attentions[index] = make_attention(config, encoder.config.head_dim, seed)
+            if config.fitted is not None:
+                from linattn.models.convert import attention_from_file
+
+                attentions[index] = attention_from_file(config.fitted, encoder)
+            else:
+                attentions[index] = make_attention(config, encoder.config.head_dim, seed)
         except NotImplementedError as error:
             result.available, result.note = False, str(error)
         else:

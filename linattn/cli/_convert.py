@@ -1,0 +1,122 @@
+"""``linattn convert --model PATH|minilm --texts FILE --out DIR``: fit a model's attention.
+
+Every attention layer of the BERT sentence encoder gets per-head fitted maps and far
+weights (:func:`linattn.models.convert.convert_encoder`) on the user's texts, one per
+line: every ``--validation-every``-th text goes to the validation split (early
+stopping, ``g = 0`` per head), the rest to the fit split.  Writes
+``DIR/fitted.safetensors`` (loaded by ``linattn accuracy --model ... --fitted DIR`` and
+:func:`linattn.models.convert.attention_from_file`) and ``DIR/report.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from linattn.cli._console import Console, Table
+from linattn.cli._options import CommandError
+
+__all__ = ["FITTED_FILE", "convert", "read_texts"]
+
+#: The maps' file inside ``--out``.
+FITTED_FILE = "fitted.safetensors"
+
+
+def read_texts(path: Path) -> list[str]:
+    """Non-empty lines of ``path``; a clear error for a missing or empty file."""
+    try:
+        lines = Path(path).read_text("utf-8").splitlines()
+    except OSError as error:
+        raise CommandError(f"--texts {path}: {error.strerror or error}") from None
+    texts = [line.strip() for line in lines if line.strip()]
+    if len(texts) < 2:
+        raise CommandError(
+            f"--texts {path}: needs at least 2 non-empty lines (fit and validation texts); "
+            f"got {len(texts)}"
+        )
+    return texts
+
+
+def _batches(tokens: Any, rows: np.ndarray, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    order = rows[np.argsort(tokens.lengths[rows], kind="stable")]
+    out = []
+    for start in range(0, len(order), size):
+        chosen = order[start : start + size]
+        width = int(tokens.lengths[chosen].max())
+        out.append((tokens.input_ids[chosen, :width], tokens.key_mask[chosen, :width]))
+    return out
+
+
+def convert(args: argparse.Namespace) -> int:
+    """Fit, save, and print a per-layer table (validation errors)."""
+    from linattn.models import ModelUnavailable, load_model
+    from linattn.models.convert import convert_encoder, save_fitted
+
+    texts = read_texts(args.texts)
+    try:
+        model = load_model(args.model)
+    except (ModelUnavailable, ValueError) as error:
+        raise CommandError(f"--model {args.model}: {error}") from None
+    tokens = model.tokenize(texts)
+    index = np.arange(len(texts))
+    validation = index % args.validation_every == args.validation_every - 1
+    console = Console()
+    console.print(
+        f"fitting {model.encoder.config.num_layers} layers: {int((~validation).sum())} fit "
+        f"texts, {int(validation.sum())} validation texts, window {args.window} + sinks, "
+        f"m = {args.num_features}, at most {args.steps} steps per layer"
+    )
+    start = time.perf_counter()
+    done = convert_encoder(
+        model.encoder,
+        _batches(tokens, index[~validation], args.batch_size),
+        _batches(tokens, index[validation], args.batch_size),
+        window=args.window,
+        sink_keys=1,
+        num_features=args.num_features,
+        steps=args.steps,
+        seed=args.seed,
+        progress=lambda line: console.print(line),
+    )
+    seconds = time.perf_counter() - start
+    out = Path(args.out)
+    path = save_fitted(out / FITTED_FILE, done)
+    report = {
+        "model": str(model.path),
+        "texts": str(args.texts),
+        "fit_texts": int((~validation).sum()),
+        "validation_texts": int(validation.sum()),
+        "seconds": seconds,
+        "options": done.options,
+        "layers": [
+            {
+                "validation_error": f.validation_error.tolist(),
+                "window_sinks_error": f.exact_parts_error.tolist(),
+                "exact_only_heads": int(f.exact_only.sum()),
+                "steps": f.steps,
+                "seconds": f.seconds,
+            }
+            for f in done.fits
+        ],
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    table = Table("Relative attention error on the validation texts (root mean square over heads)")
+    for header in ("layer", "fitted", "window + sinks", "heads with g = 0", "steps", "s"):
+        table.add_column(header, right=header != "layer")
+    for layer, fit in enumerate(done.fits):
+        table.add_row(
+            str(layer),
+            f"{np.sqrt(np.mean(fit.validation_error**2)):.3f}",
+            f"{np.sqrt(np.mean(fit.exact_parts_error**2)):.3f}",
+            str(int(fit.exact_only.sum())),
+            str(fit.steps),
+            f"{fit.seconds:.0f}",
+        )
+    console.print(table)
+    console.print(f"wrote: {path} ({seconds:.0f} s)")
+    return 0

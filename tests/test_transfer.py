@@ -1,0 +1,177 @@
+"""Attention transfer (linattn.transfer) and the NumPy BERT conversion (linattn.models.convert).
+
+Tiny shapes: the fit's figures on the real model are in benchmarks/transfer_minilm.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linattn as la
+from linattn import fitted, transfer
+from linattn.transfer import LayerBatch, fit_layer
+
+RNG = np.random.default_rng(0)
+D, M, L = 4, 8, 10
+
+
+def _batch(
+    heads: int = 4, key_heads: int = 2, exact: bool = True, scale: float = 1.0
+) -> LayerBatch:
+    q = scale * RNG.normal(size=(2, heads, L, D))
+    k = scale * RNG.normal(size=(2, key_heads, L, D))
+    v = RNG.normal(size=(2, key_heads, L, D))
+    key_mask = np.ones((2, L), dtype=bool)
+    key_mask[1, -3:] = False
+    sep = np.zeros((2, L), dtype=bool)
+    sep[:, 4] = True
+    return LayerBatch(q, k, v, key_mask, sep if exact else None)
+
+
+def _perturbed(heads: int, key_heads: int, tied: bool = False) -> fitted.FittedParameters:
+    p = fitted.initial_parameters(D, M, heads=heads, key_heads=key_heads, tied=tied, seed=1)
+    values = transfer._values(p)
+    values = {n: x + 0.3 * RNG.normal(size=x.shape) for n, x in values.items()}
+    return transfer._parameters(values, tied)
+
+
+@pytest.mark.parametrize(
+    ("causal", "heads", "key_heads", "tied"),
+    [(False, 4, 2, False), (True, 4, 2, False), (False, 2, 2, True)],
+)
+def test_the_fit_gradient_equals_finite_differences(causal, heads, key_heads, tied) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(heads, key_heads, exact=not causal)
+    parts = transfer._prepare(batch, 2, 1, causal, 0.5)
+    p = _perturbed(heads, key_heads, tied)
+    values = transfer._values(p)
+    _, grads = transfer._batch_loss_grad(p, parts)
+    eps = 1e-6
+    for name, value in values.items():
+        for _ in range(3):
+            index = tuple(int(RNG.integers(0, s)) for s in value.shape)
+
+            def loss(shift: float, name: str = name, index: tuple = index) -> float:
+                moved = {n: x.copy() for n, x in values.items()}
+                moved[name][index] += shift
+                return float(
+                    transfer._batch_loss_grad(transfer._parameters(moved, tied), parts)[0].sum()
+                )
+
+            slope = (loss(eps) - loss(-eps)) / (2 * eps)
+            assert grads[name][index] == pytest.approx(slope, rel=1e-5, abs=1e-9), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fit_computes_what_linear_attention_computes(causal: bool) -> None:
+    batch = _batch(exact=not causal)
+    parts = transfer._prepare(batch, 2, 1, causal, 0.5)
+    p = _perturbed(4, 2)
+    out, _ = transfer._forward(p, parts, None)
+    fm = la.FeatureMap.fitted(
+        p.query_weight, p.query_bias, key_weight=p.key_weight, key_bias=p.key_bias,
+        far_weight=p.far_weight, scale=0.5,
+    )  # fmt: skip
+    exact = None if causal else batch.exact_key_mask[:, None, :]
+    ref = la.linear_attention(
+        batch.q, batch.k, batch.v, fm, causal=causal, window=2, sink_keys=1,
+        key_mask=batch.key_mask[:, None, :], exact_key_mask=exact, backend="array_api",
+    )  # fmt: skip
+    rows = batch.key_mask[:, None, :, None]
+    np.testing.assert_allclose(
+        np.where(rows, out.reshape(ref.shape), 0), np.where(rows, ref, 0), atol=1e-12
+    )
+
+
+def test_fit_beats_window_and_sinks_on_held_out_batches_and_is_deterministic() -> None:
+    fit = [_batch(2, 2) for _ in range(3)]
+    validation, test = [_batch(2, 2)], [_batch(2, 2)]
+    options = {"num_features": M, "window": 2, "sink_keys": 1, "steps": 40, "evaluate_every": 10}
+    first = fit_layer(fit, validation, progress=lambda line: None, **options)
+    again = fit_layer(fit, validation, progress=lambda line: None, **options)
+    assert first.feature_map.fingerprint == again.feature_map.fingerprint
+    err, _ = transfer.attention_errors(first.feature_map, test, window=2, sink_keys=1)
+    base, _ = transfer.attention_errors(None, test, window=2, sink_keys=1)
+    # Window 2 of 10 keys leaves most of the mass far: the fitted far part must help on
+    # the unseen batch (every head where it was kept).
+    kept = ~np.repeat(first.exact_only, 1)
+    assert kept.any()
+    assert np.all(err[kept] < base[kept])
+    assert np.all(first.validation_error <= first.exact_parts_error)
+
+
+def test_heads_whose_fit_cannot_help_keep_the_exact_parts_alone() -> None:
+    # A window covering every key leaves no far key: the fit cannot beat window + sinks,
+    # so every head gets g = 0 (and the map then equals the exact parts exactly).
+    fit, validation = [_batch(2, 2)], [_batch(2, 2)]
+    result = fit_layer(
+        fit, validation, num_features=M, window=L, steps=5, evaluate_every=5,
+        progress=lambda line: None,
+    )  # fmt: skip
+    assert result.exact_only.all()
+    assert np.all(result.feature_map.parameters.far_weight == 0)
+
+
+def test_bad_calibration_batches_are_refused() -> None:
+    batch = _batch(2, 2)
+    empty = batch._replace(key_mask=np.zeros((2, L), dtype=bool))
+    with pytest.raises(ValueError, match="key_mask must mark real tokens"):
+        fit_layer([empty], [batch], num_features=M, window=2)
+    with pytest.raises(ValueError, match="exact_key_mask is for bidirectional"):
+        fit_layer([batch], [batch], num_features=M, window=2, causal=True)
+    with pytest.raises(ValueError, match="tied=True needs as many key heads"):
+        fit_layer([_batch(4, 2)], [_batch(4, 2)], num_features=M, window=2, tied=True)
+    with pytest.raises(ValueError, match="at least one LayerBatch"):
+        fit_layer([], [batch], num_features=M, window=2)
+
+
+def test_maps_save_and_load_with_their_model_and_version(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("safetensors")
+    per_head = la.FeatureMap.fitted(
+        RNG.normal(size=(2, D, M // 2)), key_weight=RNG.normal(size=(2, D, M // 2)),
+        far_weight=[0.0, 2.5], scale=0.3,
+    )  # fmt: skip
+    shared = la.FeatureMap(D, M, kind="hedgehog", seed=3).with_parameters(tied=True)
+    path = transfer.save_maps(
+        tmp_path / "maps.safetensors", [per_head, None, shared], model_fingerprint="abc",
+        options={"window": 2},
+    )  # fmt: skip
+    layers, options = transfer.load_maps(path, model_fingerprint="abc")
+    assert options == {"window": 2}
+    assert [fm is None for fm, _ in layers] == [False, True, False]
+    assert layers[0][0].fingerprint == per_head.fingerprint
+    assert layers[2][0].fingerprint == shared.fingerprint and layers[2][0].parameters.tied
+    np.testing.assert_array_equal(layers[0][1], [0.0, 2.5])
+    with pytest.raises(ValueError, match="fitted for another model"):
+        transfer.load_maps(path, model_fingerprint="xyz")
+    monkeypatch.setattr(la, "__version__", "0.0.0")
+    with pytest.raises(ValueError, match="written by linattn"):
+        transfer.load_maps(path, model_fingerprint="abc")
+    (tmp_path / "other").write_bytes(b"not a file of maps")
+    with pytest.raises(ValueError, match="path must be a linattn fitted-maps file"):
+        transfer.load_maps(tmp_path / "other", model_fingerprint=None)
+
+
+def test_a_converted_bert_encodes_and_reloads_without_refit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("safetensors")
+    from linattn.models.bert import BertConfig, BertEncoder, random_weights
+    from linattn.models.convert import attention_from_file, convert_encoder, save_fitted
+
+    config = BertConfig(8, 2, 2, 1e-12)
+    encoder = BertEncoder(random_weights(config, 50), config)
+    ids = RNG.integers(0, 50, size=(2, 12))
+    mask = np.ones((2, 12), dtype=bool)
+    mask[1, 9:] = False
+    done = convert_encoder(
+        encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], window=2, num_features=4, steps=4,
+        stitch="converted", progress=lambda line: None,
+    )  # fmt: skip
+    assert len(done.fits) == 2
+    embeddings = encoder.encode(ids, mask, done.attention)
+    path = save_fitted(tmp_path / "fitted.safetensors", done)
+    np.testing.assert_array_equal(
+        encoder.encode(ids, mask, attention_from_file(path, encoder)), embeddings
+    )
+    other = BertEncoder(random_weights(config, 50, seed=1), config)
+    with pytest.raises(ValueError, match="fitted for another model"):
+        attention_from_file(path, other)
