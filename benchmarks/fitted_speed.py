@@ -1,0 +1,65 @@
+"""Speed of the fitted hybrid (m = 64) against the random-feature hybrid (m = 256), CPU kernels.
+
+One process, the same inputs, ``window`` + 1 sink exact; best of ``--repeats`` after a
+warm-up call (compilation excluded); the ratio fitted / random is the figure (taken in
+one run: the machine is shared and noisy).  Prints the executor the plan chose for each.
+
+    python benchmarks/fitted_speed.py                 # L = 16384, w = 64, 4 heads, d = 64
+    python benchmarks/fitted_speed.py --length 4096 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import linattn as la
+
+
+def best(call, repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    shape = (1, args.heads, args.length, args.head_dim)
+    q, k, v = (rng.normal(size=shape).astype(np.float32) for _ in range(3))
+    d = args.head_dim
+    random = la.FeatureMap(d, 256, kind="hyperbolic", seed=0)
+    params = la.fitted.initial_parameters(d, 64, heads=args.heads, seed=0)
+    fitted = la.FeatureMap.fitted(
+        params.query_weight, params.query_bias, key_weight=params.key_weight,
+        key_bias=params.key_bias, far_weight=np.full(args.heads, 3.0),
+    )  # fmt: skip
+    print(f"# L={args.length}, heads={args.heads}, d={d}, window={args.window} + 1 sink, float32")
+    for causal in (True, False):
+        seconds = {}
+        for name, fm in (("random m=256", random), ("fitted m=64", fitted)):
+            options = {"causal": causal, "window": args.window, "sink_keys": 1}
+            plan = la.plan_attention(q, k, v, fm, **options)
+            seconds[name] = best(
+                lambda fm=fm, o=options: la.linear_attention(q, k, v, fm, **o), args.repeats
+            )
+            mode = "causal" if causal else "bidirectional"
+            print(f"{mode:13s} {name:13s} {seconds[name]:8.3f} s  ({plan.executor})")
+        ratio = seconds["fitted m=64"] / seconds["random m=256"]
+        print(f"{'':13s} fitted / random: {ratio:.2f} (goal <= 1)")
+
+
+if __name__ == "__main__":
+    main()
