@@ -8,10 +8,15 @@ option of :func:`linattn.linear_attention` is reachable: random features, no fea
 derived per row from the mask (``exact_keys="special"``: ``[CLS]`` and ``[SEP]``).
 :class:`LinearAttentionCache` holds one
 :class:`linattn.LinearAttentionState` per layer and passes only the new tokens on.
+:func:`convert` fits a model's attention (fitted feature maps, weights frozen);
+:func:`save_fitted` and :func:`load_fitted` keep the maps in a file
+(:mod:`linattn.integrations.transformers_convert`).  Importing this module makes
+``attn_implementation="linattn"`` available with the default options.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +31,15 @@ from linattn._gqa import grouped
 from linattn.attention import linear_attention
 from linattn.features import KINDS, SOFTMAX_KINDS, FeatureMap
 from linattn.hybrid.build import check_exact_parts
+from linattn.integrations.transformers_convert import (
+    FITTED,
+    AttentionCall,
+    capture_hook,
+    convert,
+    load_fitted,
+    map_from_file,
+    save_fitted,
+)
 from linattn.state import LinearAttentionState
 
 __all__ = [
@@ -34,7 +48,10 @@ __all__ = [
     "LinearAttentionCache",
     "attention_forward",
     "check_options",
+    "convert",
+    "load_fitted",
     "register",
+    "save_fitted",
     "special_keys",
 ]
 
@@ -100,6 +117,10 @@ def register(**options: Any) -> None:
     settings = check_options({**DEFAULTS, **options}, "register", given=options)
     _options.clear()
     _options.update(settings)
+    _register()
+
+
+def _register() -> None:
     AttentionInterface.register(NAME, attention_forward)
     # Without a mask function of its own an implementation gets no mask at all; SDPA's
     # boolean 4-D masks (None where causality alone says it all) are converted below.
@@ -224,8 +245,19 @@ def attention_forward(
     key_mask, mask_causal = key_mask_from(attention_mask, query.shape[-2], key.shape[-2])
     causal = causal or mask_causal or layer is not None
     exact_key_mask = _exact_keys(settings, key_mask, key, causal, module)
+    capture = capture_hook()  # inside convert: exact attention, or a layer's capture
+    if capture is not None:
+        call = AttentionCall(
+            module, query, key, value, attention_mask, scaling, is_causal, kwargs,
+            key_mask, exact_key_mask, causal,
+        )  # fmt: skip
+        captured = capture(call)
+        if captured is not None:
+            return captured, None
     feature_map = _feature_map(module, settings, query.shape[-1], scaling, causal)
     q, k, v, grouped_mask, ungroup = grouped(query, key, value, key_mask)
+    if feature_map is not None and q.ndim > query.ndim:  # per-head parameters: grouped too
+        feature_map = feature_map.grouped(int(q.shape[-3]))
     if exact_key_mask is not None:  # shaped like the key mask, grouped alike
         exact_key_mask = grouped(query, key, value, exact_key_mask)[3]
     options: dict[str, Any] = {
@@ -376,7 +408,14 @@ def _settings(module: torch.nn.Module) -> dict[str, Any]:
     overrides = dict(getattr(config, "linattn", None) or {})
     if not overrides:
         return _options
-    return check_options({**_options, **overrides}, "config.linattn", given=overrides)
+    path = overrides.pop("fitted", None)  # the fitted maps' file (see save_fitted)
+    if path is not None and not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"config.linattn: fitted must be the path of a fitted-maps file; got {path!r}"
+        )
+    settings = check_options({**_options, **overrides}, "config.linattn", given=overrides)
+    settings["fitted"] = path
+    return settings
 
 
 def _exact_keys(
@@ -429,7 +468,23 @@ def _feature_map(
     scaling: float | None,
     causal: bool,
 ) -> FeatureMap | None:
-    """One map per layer, kept on the module (the same projection every call)."""
+    """One map per layer, kept on the module (the same projection every call).
+
+    A fitted map (:func:`convert`, :func:`load_fitted`, or the file
+    ``config.linattn["fitted"]`` names, read on the module's first call) comes first.
+    """
+    fitted: FeatureMap | None = module.__dict__.get(FITTED)
+    if fitted is None and settings.get("fitted") is not None:
+        fitted = map_from_file(module, settings["fitted"], settings)
+    if fitted is not None:
+        expected = head_dim**-0.5 if scaling is None else scaling
+        if fitted.head_dim != head_dim or not np.isclose(fitted.scale, expected, rtol=1e-6):
+            raise ValueError(
+                f"the fitted map of {type(module).__name__} was fitted for head_dim "
+                f"{fitted.head_dim} and scale {fitted.scale}; this call has head_dim "
+                f"{head_dim} and scale {expected}"
+            )
+        return fitted
     if settings["num_features"] is None:
         return None
     key = (
@@ -456,3 +511,8 @@ def _feature_map(
 def _layer_index(module: torch.nn.Module) -> int:
     index = getattr(module, "layer_idx", None)
     return index if isinstance(index, int) else 0
+
+
+# Available from import on (with the default options: register() sets them), so that a
+# model loaded with attn_implementation="linattn", or converted, needs no register().
+_register()

@@ -1,0 +1,282 @@
+"""linattn.integrations.transformers.convert on small random BERT, GPT-2 and Llama models."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import linattn as la  # noqa: E402
+from linattn.integrations.transformers import (  # noqa: E402
+    LinearAttentionCache,
+    convert,
+    load_fitted,
+    save_fitted,
+)
+from linattn.integrations.transformers_convert import (  # noqa: E402
+    layer_errors,
+    model_fingerprint,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+VOCAB, L, WINDOW, SINKS = 50, 20, 3, 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # type: ignore[no-untyped-def]
+    """Tiny matmuls: one thread (two spin against each other on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _bert(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertModel(config, add_pooling_layer=False).eval()
+
+
+def _gpt2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=64,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODELS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+OPTIONS = {
+    "bert": {"exact_keys": "special"},
+    "gpt2": {},
+    "llama": {"stitch": "converted"},  # grouped-query attention, each fit on converted inputs
+}
+
+
+def _batch(seed: int, batch: int = 2) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (batch, L), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(batch, L, dtype=torch.long)
+    mask[-1, -6:] = 0  # right padding in the last row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**batch)
+    result = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    return result[batch["attention_mask"].bool()]  # padded positions are anyone's
+
+
+@functools.cache
+def _converted(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model converted once for the whole file, and its state_dict from before."""
+    model = MODELS[name]()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    convert(
+        model, [_batch(1), _batch(2)], [_batch(3)], window=WINDOW, sink_keys=SINKS,
+        num_features=8, steps=8, progress=lambda line: None, **OPTIONS[name],
+    )  # fmt: skip
+    return model, before
+
+
+def _first_and_last(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first and last real token, by a loop (not the integration's rule)."""
+    exact = torch.zeros(mask.shape, dtype=torch.bool)
+    for row, keep in enumerate(mask.bool()):
+        real = torch.nonzero(keep).flatten()
+        exact[row, [int(real[0]), int(real[-1])]] = True
+    return exact
+
+
+def _reference(batch: dict[str, torch.Tensor], record: list | None = None):  # type: ignore[no-untyped-def]
+    """An attention implementation outside the integration: ``linear_attention`` with the
+    module's fitted map and the front door's own grouping (or, with ``record``, SDPA,
+    keeping each layer's ``(q, k, v)``)."""
+    key_mask = batch["attention_mask"].bool()[:, None]  # (B, 1, L)
+    exact_mask = _first_and_last(batch["attention_mask"])[:, None]
+
+    def attention(module, q, k, v, attention_mask, scaling=None, is_causal=None, **kwargs):  # type: ignore[no-untyped-def]
+        causal = bool(getattr(module, "is_causal", False))
+        if record is not None:
+            record.append((module, q, k, v, causal))
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(
+                module, q, k, v, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
+            )
+        out = la.linear_attention(
+            q, k, v, module._linattn_fitted, causal=causal, key_mask=key_mask,
+            window=WINDOW, sink_keys=SINKS, exact_key_mask=None if causal else exact_mask,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _run_with(model: torch.nn.Module, name: str, function, batch):  # type: ignore[no-untyped-def]
+    transformers.AttentionInterface.register(name, function)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        name, transformers.masking_utils.sdpa_mask
+    )
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        return _output(model, batch)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_converted_model_equals_the_direct_call(name: str) -> None:
+    """(1, 5) The converted model runs linear_attention with each layer's fitted map."""
+    model, _ = _converted(name)
+    assert model.config._attn_implementation == "linattn"
+    expected_options = {"num_features": 8, "window": WINDOW, "sink_keys": SINKS}
+    assert model.config.linattn.items() >= expected_options.items()
+    maps = [m._linattn_fitted for m in model.modules() if "_linattn_fitted" in m.__dict__]
+    assert len(maps) == 2
+    assert all(fm.kind == "hedgehog" for fm in maps)
+    if name == "llama":  # per key head parameters and far weights
+        assert maps[0].parameters.key_weight.shape[0] == 2
+        assert maps[0].parameters.far_weight.shape == (2,)
+    batch = _batch(4)
+    out = _output(model, batch)
+    expected = _run_with(model, "reference", _reference(batch), batch)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_convert_lowers_the_held_out_attention_error() -> None:
+    """(2) On texts no fit saw, every layer's attention is closer to exact softmax with the
+    fitted features than with the window, sinks and [CLS]/[SEP] alone."""
+    model, _ = _converted("bert")
+    batch = _batch(5, batch=3)
+    record: list = []
+    _run_with(model, "record", _reference(batch, record), batch)
+    rows = batch["attention_mask"].bool()
+    key_mask = rows[:, None]
+    exact_mask = _first_and_last(batch["attention_mask"])[:, None]
+    assert len(record) == 2
+    for layer, (module, q, k, v, _) in enumerate(record):
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        exact = scores.masked_fill(~key_mask[..., None, :], -torch.inf).softmax(-1) @ v
+        options = {"key_mask": key_mask, "window": WINDOW, "sink_keys": SINKS}
+        fitted = la.linear_attention(
+            q, k, v, module._linattn_fitted, exact_key_mask=exact_mask, **options
+        )
+        parts = la.linear_attention(
+            q, k, v, None, exact_key_mask=exact_mask, scale=q.shape[-1] ** -0.5, **options
+        )
+
+        real = rows[:, None, :, None]  # the real query rows
+        errors = [
+            float(((out - exact) * real).norm() / (exact * real).norm()) for out in (fitted, parts)
+        ]
+        assert errors[0] < 0.5 * errors[1], (layer, errors)
+        # The library's own measure agrees.
+        measured = layer_errors(model, [batch])[layer]
+        assert np.all(measured["fitted"] < 0.5 * measured["exact_parts"]), measured
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_weights_are_bit_identical(name: str) -> None:
+    """(3) Only maps were added: every tensor of the state_dict is as it was."""
+    model, before = _converted(name)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[key], before[key]) for key in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_save_then_load_into_a_fresh_copy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """(4) The file restores the outputs exactly; another model's fingerprint is refused."""
+    model, _ = _converted("bert")
+    path = save_fitted(model, tmp_path / "maps.safetensors")
+    assert model.config.linattn["fitted"] == str(path)
+    batch = _batch(6)
+    fresh = load_fitted(_bert(), path)
+    assert fresh.config._attn_implementation == "linattn"
+    assert fresh.config.linattn["exact_keys"] == "special"
+    assert torch.equal(_output(fresh, batch), _output(model, batch))
+    other = _bert(seed=1)
+    with pytest.raises(
+        ValueError, match=rf"fitted for another model \(fingerprint {model_fingerprint(model)}\)"
+    ):
+        load_fitted(other, path)
+    assert "linattn" not in vars(other.config) or not other.config.linattn
+
+
+def test_a_saved_model_finds_its_maps_on_the_first_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """config.linattn["fitted"] survives save_pretrained: the loaded model reads the maps."""
+    model, _ = _converted("gpt2")
+    save_fitted(model, tmp_path / "maps.safetensors")
+    model.save_pretrained(tmp_path / "model")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", attn_implementation="linattn"
+    ).eval()
+    batch = _batch(7)
+    torch.testing.assert_close(_output(loaded, batch), _output(model, batch), rtol=0, atol=0)
+    assert model_fingerprint(loaded) == model_fingerprint(model)
+    other = _gpt2(seed=1)
+    other.config.linattn = dict(loaded.config.linattn)
+    other.set_attn_implementation("linattn")
+    with pytest.raises(ValueError, match="holds no map for this model's GPT2Attention"):
+        _output(other, batch)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generation_with_the_cache_equals_recomputation(name: str) -> None:
+    """(5) Decoding continues a state whose key features carry the far weights."""
+    model, _ = _converted(name)
+    prompt = _batch(8)["input_ids"][:1, :8]
+    cache = LinearAttentionCache()
+    generated = model.generate(
+        prompt, max_new_tokens=4, do_sample=False, past_key_values=cache, pad_token_id=0
+    )
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(4):  # no cache: the whole prefix every step
+            logits = model(tokens).logits[:, -1]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+    torch.testing.assert_close(generated, tokens)
+
+
+def test_batches_without_real_tokens_are_refused() -> None:
+    """(6) A clear error, and the model left as it was."""
+    model = _bert()
+    empty = {**_batch(1), "attention_mask": torch.zeros(2, L, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"batches\[1\] has no real tokens"):
+        convert(model, [_batch(1), empty], [_batch(2)], window=WINDOW, steps=2)
+    with pytest.raises(ValueError, match=r"validation\[0\] must be a dict with input_ids"):
+        convert(model, [_batch(1)], [{"input_ids": _batch(2)["input_ids"]}], steps=2)
+    with pytest.raises(ValueError, match="validation must hold at least one batch"):
+        convert(model, [_batch(1)], [], steps=2)
+    assert model.config._attn_implementation != "linattn"
+
+
+def test_a_failed_conversion_leaves_the_model_as_it_was() -> None:
+    model = _gpt2()
+    implementation = model.config._attn_implementation
+    with pytest.raises(ValueError, match="exact_keys='special' is for bidirectional attention"):
+        convert(model, [_batch(1)], [_batch(2)], window=WINDOW, exact_keys="special", steps=2)
+    assert model.config._attn_implementation == implementation
+    assert not getattr(model.config, "linattn", None)
+    assert not any("_linattn_fitted" in m.__dict__ for m in model.modules())
