@@ -67,7 +67,7 @@ def test_the_fit_computes_what_linear_attention_computes(causal: bool) -> None:
     batch = _batch(exact=not causal)
     parts = transfer._prepare(batch, 2, 1, causal, 0.5)
     p = _perturbed(4, 2)
-    out, _ = transfer._forward(p, parts, None)
+    out, _ = transfer._forward(p, parts)
     fm = la.FeatureMap.fitted(
         p.query_weight, p.query_bias, key_weight=p.key_weight, key_bias=p.key_bias,
         far_weight=p.far_weight, scale=0.5,
