@@ -47,10 +47,9 @@ from linattn.models.convert import FittedAttention, convert_encoder
 def batches(
     batch: documents.Batch, size: int, limit: int | None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Rows sorted by length, cut to each batch's longest row (less padding)."""
-    order = np.argsort(batch.lengths, kind="stable")
-    if limit is not None:
-        order = order[:limit]
+    """The first ``limit`` rows, sorted by length, each batch cut to its longest row."""
+    rows = np.arange(len(batch))[:limit]  # the first rows in file order
+    order = rows[np.argsort(batch.lengths[rows], kind="stable")]
     out = []
     for start in range(0, len(order), size):
         rows = order[start : start + size]
