@@ -9,8 +9,8 @@ derived per row from the mask (``exact_keys="special"``: ``[CLS]`` and ``[SEP]``
 :class:`LinearAttentionCache` holds one
 :class:`linattn.LinearAttentionState` per layer and passes only the new tokens on.
 :func:`convert` fits a model's attention (fitted feature maps, weights frozen);
-:func:`save_fitted` and :func:`load_fitted` keep the maps in a file
-(:mod:`linattn.integrations.transformers_convert`).  Importing this module makes
+:func:`save_fitted` and :func:`load_fitted` keep the maps in a file, :func:`layer_errors`
+measures them (:mod:`linattn.integrations.transformers_convert`).  Importing this module makes
 ``attn_implementation="linattn"`` available with the default options.
 """
 
@@ -36,6 +36,7 @@ from linattn.integrations.transformers_convert import (
     AttentionCall,
     capture_hook,
     convert,
+    layer_errors,
     load_fitted,
     map_from_file,
     save_fitted,
@@ -49,6 +50,7 @@ __all__ = [
     "attention_forward",
     "check_options",
     "convert",
+    "layer_errors",
     "load_fitted",
     "register",
     "save_fitted",
