@@ -155,7 +155,7 @@ def normalise_call(
             exact_key_mask, int(q.shape[-3]) * int(q.shape[-4]), int(k.shape[-4])
         )
     if ungroup is not None and isinstance(feature_map, FeatureMap):
-        feature_map = feature_map.grouped(int(q.shape[-3]))
+        feature_map = feature_map.grouped(int(q.shape[-3]), int(k.shape[-4]))
     call = Call(
         q, k, v, feature_map, causal, key_mask, state, return_state, chunk_size, backend,
         window, sink_keys, exact_key_mask, scale, ungroup,

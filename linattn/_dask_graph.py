@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from linattn import _dispatch
+from linattn import _dispatch, fitted
 from linattn._call import Call, check_state, drop_masked_keys, normalise_call, state_arrays
 from linattn._checks import (
     AttentionInputs,
@@ -365,7 +365,10 @@ def _layout(
     # Feature axes in one chunk; batch axes chunked like q; sequence axes as asked
     # (causal: keys like queries; bidirectional: values and mask like keys).
     sequence = {} if sequence_chunks is None else {nb: int(sequence_chunks)}
-    q = q.rechunk({**sequence, nb + 1: -1})
+    # A fitted map's per-head parameters meet the head axes whole: each block's call
+    # holds the map, so one block must hold every head (the other batch axes may split).
+    heads = {nb - 1 - i: -1 for i in range(min(fitted.head_axes(feature_map.parameters), nb))}
+    q = q.rechunk({**sequence, **heads, nb + 1: -1})
     like_q = dict(enumerate(q.chunks[:nb]))
     k = k.rechunk({**like_q, **({nb: q.chunks[nb]} if causal else sequence), nb + 1: -1})
     v = v.rechunk({**like_q, nb: k.chunks[nb], nb + 1: -1})

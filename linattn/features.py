@@ -165,6 +165,7 @@ class FeatureMap:
     _rebalance_scales: np.ndarray | None
     _parameters: FittedParameters | None
     _fingerprint: str
+    _grouped_maps: dict[tuple[int, int | None], FeatureMap]
 
     def __init__(
         self,
@@ -282,6 +283,7 @@ class FeatureMap:
             "_rebalance_scales": rebalance_scales,
             "_parameters": parameters,
             "_fingerprint": digest.hexdigest()[:16],
+            "_grouped_maps": {},
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -290,7 +292,7 @@ class FeatureMap:
     def _fields(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`_assign` that rebuild this map."""
         fields = {f.name.lstrip("_"): getattr(self, f.name) for f in dataclasses.fields(self)}
-        del fields["fingerprint"]
+        del fields["fingerprint"], fields["grouped_maps"]
         return fields
 
     def _replace(self, **changes: Any) -> FeatureMap:
@@ -405,7 +407,7 @@ class FeatureMap:
         >>> fm.kind, fm.num_features, fm.parameters.far_weight.tolist()
         ('hedgehog', 8, [0.5, 2.0])
         >>> x = np.zeros((1, 2, 3, 4))
-        >>> np.exp(fm.log_features(x, role="query")).sum(-1)[0, :, 0].tolist()
+        >>> np.exp(fm.log_features(x, role="query")).sum(-1)[0, :, 0].round(12).tolist()
         [1.0, 1.0]
         """
         p = check_parameters(query_weight, query_bias, key_weight, key_bias, far_weight, tied=tied)
@@ -451,9 +453,11 @@ class FeatureMap:
             fields.pop("key_bias")
         return FeatureMap.fitted(**fields, tied=tied, scale=self.scale)
 
-    def grouped(self, group: int) -> FeatureMap:
+    def grouped(self, group: int, key_heads: int | None = None) -> FeatureMap:
         """This map for grouped-query inputs split as :func:`linattn._gqa.grouped` does:
         per-head parameters get the ``(H_kv, G)`` head axes (others: the map itself).
+        ``key_heads`` (``H_kv``), when given, is checked against the parameters' heads
+        (:func:`linattn.fitted.grouped`).
 
         Examples
         --------
@@ -466,7 +470,14 @@ class FeatureMap:
         p = self._parameters
         if p is None or (p.query_weight.ndim == 2 and p.key_weight.ndim == 2):
             return self
-        return self._replace(parameters=fitted.grouped(p, group))
+        # Kept by this map: the grouped one must stay live while this one is (torch's
+        # custom operators find it by fingerprint, in the backward pass too), and a
+        # call per decoding step should not build it again.
+        key = (group, key_heads)
+        if key not in self._grouped_maps:
+            grouped = fitted.grouped(p, group, key_heads)  # (checks key_heads)
+            self._grouped_maps[key] = self._replace(parameters=grouped)
+        return self._grouped_maps[key]
 
     def redraw(self, *, seed: int | None = None) -> FeatureMap:
         """A new map of the same kind, size and scale with a freshly drawn projection.

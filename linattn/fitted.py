@@ -38,6 +38,7 @@ __all__ = [
     "FittedParameters",
     "check_parameters",
     "describe",
+    "head_axes",
     "initial_parameters",
     "input_vjp",
     "log_features",
@@ -240,11 +241,28 @@ def _per_head(param: np.ndarray, x: Array, name: str, vector: bool) -> np.ndarra
     return param.reshape((*heads, 1, param.shape[-1])) if vector else param
 
 
-def grouped(p: FittedParameters, group: int) -> FittedParameters:
+def grouped(p: FittedParameters, group: int, key_heads: int | None = None) -> FittedParameters:
     """``p`` for grouped-query inputs ``(..., H_kv, G, L, d)`` and ``(..., H_kv, 1, L, d)``.
 
     Query parameters ``(H, ...)`` become ``(H_kv, G, ...)``, key ones ``(H_kv, 1, ...)``.
+    With ``key_heads`` (``H_kv``) given, per-head parameters must have ``H = G H_kv``
+    query heads and ``H_kv`` key heads (``ValueError`` naming the parameter otherwise):
+    a split of other counts could broadcast, silently giving heads others' parameters.
     """
+    if key_heads is not None:
+        heads = group * key_heads
+        expected = {
+            "query_weight": (p.query_weight, 2, heads, "query"),
+            "key_weight": (p.key_weight, 2, key_heads, "key/value"),
+            "far_weight": (p.far_weight, 0, key_heads, "key/value"),
+        }
+        for name, (a, trailing, count, kind) in expected.items():
+            if a.ndim > trailing and a.shape[0] != count:
+                raise ValueError(
+                    f"a fitted map whose {name} has {a.shape[0]} heads cannot serve "
+                    f"grouped-query inputs with {heads} query and {key_heads} key/value "
+                    f"heads: {name} needs one per {kind} head ({count})"
+                )
 
     def split(a: np.ndarray, trailing: int, size: int) -> np.ndarray:
         if a.ndim == trailing:
@@ -260,6 +278,21 @@ def grouped(p: FittedParameters, group: int) -> FittedParameters:
         split(p.key_bias, 1, 1),
         p.far_weight if p.far_weight.ndim == 0 else split(p.far_weight, 0, 1),
     )
+
+
+def head_axes(p: FittedParameters | None) -> int:
+    """How many batch axes just before ``(L, d)`` the parameters meet: 0 (shared), 1
+    (per head) or 2 (grouped-query ``(H_kv, G)``, see :func:`grouped`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> head_axes(check_parameters(np.ones((3, 4, 2)), tied=True))
+    1
+    """
+    if p is None:
+        return 0
+    return max(p.query_weight.ndim - 2, p.key_weight.ndim - 2, p.far_weight.ndim)
 
 
 def _moved(xp: Namespace, host: np.ndarray, x: Array) -> Array:

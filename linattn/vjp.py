@@ -26,11 +26,13 @@ from linattn._call import (
     call_statistics,
     drop_masked_keys,
     exact_parts_vjp,
+    grouped_inputs,
 )
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
+from linattn._gqa import group_mask
 from linattn._plan import plan_call
-from linattn._xp import Array, compute_dtype, float_dtype
+from linattn._xp import Array, compute_dtype, float_dtype, namespace_of
 from linattn.features import FeatureMap
 from linattn.state import empty_state
 
@@ -93,6 +95,36 @@ def linear_attention_vjp(
     if grad_output is None:
         raise TypeError("grad_output must be an array shaped like the output; got None")
     chunk_size = check_chunk_size(chunk_size, _dispatch.DEFAULT_CHUNK_SIZE)
+    grouped_q, grouped_k, grouped_v, grouped_mask, ungroup = grouped_inputs(q, k, v, key_mask)
+    if ungroup is not None:
+        # Grouped-query attention as linear_attention runs it: broadcasting views, the
+        # map's per-head parameters split the same way, broadcast gradients summed.
+        heads, kv_heads = int(q.shape[-3]), int(k.shape[-3])
+        if exact_key_mask is not None and exact_key_mask.ndim >= 2:
+            exact_key_mask = group_mask(exact_key_mask, heads, kv_heads)
+        if isinstance(feature_map, FeatureMap):
+            feature_map = feature_map.grouped(heads // kv_heads, kv_heads)
+        shape = tuple(getattr(grad_output, "shape", ()))
+        if len(shape) == q.ndim and shape[-3] == heads:
+            xp = namespace_of({"grad_output": grad_output})
+            grad_output = xp.reshape(grad_output, (*shape[:-3], kv_heads, -1, *shape[-2:]))
+        dq, dk, d_values = linear_attention_vjp(
+            grouped_q,
+            grouped_k,
+            grouped_v,
+            feature_map,
+            grad_output,
+            causal=causal,
+            key_mask=grouped_mask,
+            chunk_size=chunk_size,
+            backend=backend,
+            window=window,
+            sink_keys=sink_keys,
+            exact_key_mask=exact_key_mask,
+            scale=scale,
+        )
+        xp = namespace_of({"dk": dk})
+        return ungroup(dq), xp.reshape(dk, tuple(k.shape)), xp.reshape(d_values, tuple(v.shape))
     if window is not None or sink_keys != 0 or exact_key_mask is not None:
         return _exact_parts_vjp(
             q,

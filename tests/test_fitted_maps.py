@@ -1,0 +1,457 @@
+"""Fitted (``kind="hedgehog"``) feature maps on every path a random kind runs on.
+
+Every output is compared with a dense float64 NumPy reference written here from the
+map's formula (``phi(x) = softmax([x W + b, -(x W + b)])``, computed from the
+parameters, not by the library): key ``j`` weighs ``exp(s q_t . k_j)`` for query ``t``
+in the exact parts (bidirectional ``|t - j| < window``, ``j < sink_keys``,
+``exact_key_mask``; causal ``t - window < j <= t`` and sinks ``j <= t``) and
+``g sum_i phi_i(q_t) phi_i(k_j)`` on the remaining keys (``g`` the key head's far
+weight, which cancels without exact parts); rows normalised.  Shapes are tiny: the
+tests are about paths and parameter layouts (per head, grouped-query, shared and tied).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linattn as la
+from linattn.fitted import ZERO_FAR_LOG
+
+D, N, DV = 4, 6, 3  # head_dim, features (N / 2 columns of W), value dim
+EXACT_MASK = np.array([False, False, False, False, False, True, False, False, False])
+HYBRID = {"window": 2, "sink_keys": 1}
+
+
+# -- the reference ---------------------------------------------------------------------
+
+
+def _log_phi(w: np.ndarray, b: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``log softmax([u, -u])`` of ``u = x W + b``; ``W`` ``(d, n)`` or ``(H, d, n)``."""
+    u = np.einsum("...hld,hdn->...hln", x, w) + b[:, None, :] if w.ndim == 3 else x @ w + b
+    z = np.concatenate([u, -u], axis=-1)
+    top = z.max(axis=-1, keepdims=True)
+    return z - top - np.log(np.exp(z - top).sum(axis=-1, keepdims=True))
+
+
+def _reference(q, k, v, fm, *, causal, window=None, sink_keys=0, exact_key_mask=None):
+    """Dense float64 attention, ``(B, H, L, d_v)``; keys ``(B, H_kv, L, d)``."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    p = fm.parameters
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    lq = _log_phi(p.query_weight, p.query_bias, q)
+    lk = _log_phi(p.key_weight, p.key_bias, k)
+    hybrid = window is not None or sink_keys or exact_key_mask is not None
+    g = np.broadcast_to(p.far_weight if hybrid else 1.0, (kv_heads,))
+    group = heads // kv_heads
+    k, v, lk = (np.repeat(a, group, axis=-3) for a in (k, v, lk))
+    g = np.repeat(g, group)[:, None, None]
+    length = q.shape[-2]
+    t, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    seen = j <= t if causal else np.ones((length, length), dtype=bool)
+    near = (np.abs(t - j) < (window or 0)) | (j < sink_keys)
+    if exact_key_mask is not None:
+        near = near | exact_key_mask
+    near = near & seen
+    exact = np.exp(fm.scale * np.einsum("...id,...jd->...ij", q, k))
+    far = g * np.exp(lq[..., :, None, :] + lk[..., None, :, :]).sum(axis=-1)
+    weights = np.where(near, exact, np.where(seen, far, 0.0))
+    return (weights @ v) / weights.sum(axis=-1, keepdims=True)
+
+
+def _map(rng, heads, kv_heads, far_weight, *, tied=False):
+    """A fitted map: per head (``heads`` an int) or shared (``None``)."""
+    lead = () if heads is None else (heads,)
+    kv_lead = () if heads is None else (kv_heads,)
+    wq, bq = rng.normal(size=(*lead, D, N // 2)), rng.normal(size=(*lead, N // 2))
+    if tied:
+        return la.FeatureMap.fitted(wq, bq, tied=True, far_weight=far_weight)
+    wk, bk = rng.normal(size=(*kv_lead, D, N // 2)), rng.normal(size=(*kv_lead, N // 2))
+    return la.FeatureMap.fitted(wq, bq, key_weight=wk, key_bias=bk, far_weight=far_weight)
+
+
+def _inputs(rng, heads, kv_heads, length=9):
+    q = rng.normal(size=(1, heads, length, D))
+    k = rng.normal(size=(1, kv_heads, length, D))
+    v = rng.normal(size=(1, kv_heads, length, DV))
+    return q, k, v
+
+
+def _cases(rng):
+    """``(name, fm, q, k, v)``: per-head with a ``g = 0`` head, grouped-query with
+    per-head key parameters, and a shared tied map."""
+    yield ("per-head", _map(rng, 2, 2, [0.0, 0.6]), *_inputs(rng, 2, 2))
+    yield ("grouped", _map(rng, 4, 2, [1.7, 0.0]), *_inputs(rng, 4, 2))
+    yield ("shared-tied", _map(rng, None, None, 0.5, tied=True), *_inputs(rng, 2, 2))
+
+
+def _options(causal):
+    """Plain fitted attention, window + sinks, and (bidirectional) exact keys too."""
+    yield {}
+    yield HYBRID
+    if not causal:
+        yield {**HYBRID, "exact_key_mask": EXACT_MASK}
+
+
+def _close(actual, expected, tol=1e-10):
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=tol, atol=tol)
+
+
+# -- 1. NumPy: the plan's paths and the portable one -----------------------------------
+
+
+def test_numpy_paths_match_the_dense_reference() -> None:
+    rng = np.random.default_rng(0)
+    executors, scans = set(), set()
+    for name, fm, q, k, v in _cases(rng):
+        for causal in (True, False):
+            for options in _options(causal):
+                expected = _reference(q, k, v, fm, causal=causal, **options)
+                for backend in (None, "array_api"):
+                    plan = la.plan_attention(
+                        q, k, v, fm, causal=causal, backend=backend, **options
+                    )
+                    executors.add(plan.executor)
+                    scans.add(plan.scan.path)
+                    out = la.linear_attention(
+                        q, k, v, fm, causal=causal, backend=backend, **options
+                    )
+                    assert out.shape == (1, q.shape[1], 9, DV), name
+                    _close(out, expected)
+                if options and name != "shared-tied":
+                    # The head with g = 0 is exactly the window and sinks alone.
+                    head = list(fm.parameters.far_weight).index(0.0)
+                    group = q.shape[1] // k.shape[1]
+                    sparse = la.linear_attention(q, k, v, None, causal=causal, **options)
+                    rows = slice(head * group, (head + 1) * group)
+                    _close(out[:, rows], sparse[:, rows], 1e-12)
+    assert {"portable", "hybrid-parts"} <= executors
+    assert {"numba-cpu", "array-api"} <= scans
+
+
+def test_fused_paths_say_why_not() -> None:
+    """The fused kernels compute random features themselves: a fitted map goes to the
+    paths that take log-features (the plan says so; nothing runs wrong)."""
+    rng = np.random.default_rng(1)
+    fm = _map(rng, 2, 2, 1.0)
+    q, k, v = _inputs(rng, 2, 2)
+    plan = la.plan_attention(q, k, v, fm)
+    assert dict(plan.rejected)["fused-bidirectional"] == (
+        "the fused passes do not compute this map's features"
+    )
+    _, state = la.linear_attention(q, k, v, fm, causal=True, return_state=True)
+    t = slice(0, 1)
+    plan = la.plan_attention(
+        q[..., t, :], k[..., t, :], v[..., t, :], fm, causal=True, state=state, return_state=True
+    )
+    assert plan.executor == "portable"
+    assert dict(plan.rejected)["decode"] == "a map the fused pass does not compute"
+
+
+# -- 2. states and decoding ------------------------------------------------------------
+
+
+def test_states_and_decoding_continue_the_sequence() -> None:
+    rng = np.random.default_rng(2)
+    for name, fm, q, k, v in _cases(rng):
+        for options in (None, {"window": 3, "sink_keys": 1}):
+            expected = _reference(q, k, v, fm, causal=True, **(options or {}))
+            for backend in (None, "array_api"):
+                kw = {"causal": True, "return_state": True, "backend": backend, **(options or {})}
+                outs, state = [], None
+                for start, stop in ((0, 4), (4, 7), (7, 8), (8, 9)):  # then two decode steps
+                    t = slice(start, stop)
+                    out, state = la.linear_attention(
+                        q[..., t, :], k[..., t, :], v[..., t, :], fm, state=state, **kw
+                    )
+                    outs.append(out)
+                _close(np.concatenate(outs, axis=-2), expected)
+                assert state.num_tokens == 9, name
+
+
+# -- 3. torch --------------------------------------------------------------------------
+
+
+def _finite_difference_vjp(q, k, v, fm, grad, options, eps=1e-6):
+    """Central differences of ``sum(grad * reference)`` for every entry of q, k, v."""
+    arrays = [q.copy(), k.copy(), v.copy()]
+    grads = []
+    for a in arrays:
+        d = np.zeros_like(a)
+        for index in np.ndindex(a.shape):
+            old = a[index]
+            a[index] = old + eps
+            plus = np.sum(grad * _reference(*arrays, fm, **options))
+            a[index] = old - eps
+            minus = np.sum(grad * _reference(*arrays, fm, **options))
+            a[index] = old
+            d[index] = (plus - minus) / (2 * eps)
+        grads.append(d)
+    return grads
+
+
+def test_numpy_vjp_matches_finite_differences() -> None:
+    """linear_attention_vjp (the reference for the torch gradients) against central
+    differences of the dense reference: per-head, grouped-query and hybrid."""
+    rng = np.random.default_rng(3)
+    fm = _map(rng, 4, 2, [1.7, 0.0])
+    q, k, v = _inputs(rng, 4, 2, length=5)
+    grad = rng.normal(size=(1, 4, 5, DV))
+    exact = EXACT_MASK[:5]
+    for options in (
+        {"causal": True},
+        {"causal": False, "window": 2, "sink_keys": 1, "exact_key_mask": exact},
+    ):
+        expected = _finite_difference_vjp(q, k, v, fm, grad, options)
+        for backend in (None, "array_api"):
+            got = la.linear_attention_vjp(q, k, v, fm, grad, backend=backend, **options)
+            for a, b in zip(got, expected, strict=True):
+                # central differences: truncation ~ eps^2, rounding ~ 1e-16 / eps
+                np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-8)
+
+
+def test_torch_outputs_gradients_and_kernels() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    fm = _map(rng, 4, 2, [0.3, 0.0])
+    q, k, v = _inputs(rng, 4, 2)
+    grad = rng.normal(size=(1, 4, 9, DV))
+    seen = set()
+    for causal in (True, False):
+        for options in _options(causal):
+            expected = _reference(q, k, v, fm, causal=causal, **options)
+            vjp = la.linear_attention_vjp(q, k, v, fm, grad, causal=causal, **options)
+            t_options = {
+                name: torch.tensor(x) if isinstance(x, np.ndarray) else x
+                for name, x in options.items()
+            }
+            for backend in (None, "array_api"):
+                tensors = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+                plan = la.plan_attention(*tensors, fm, causal=causal, backend=backend, **t_options)
+                seen.add(plan.executor)
+                out = la.linear_attention(
+                    *tensors, fm, causal=causal, backend=backend, **t_options
+                )
+                _close(out.detach().numpy(), expected)
+                (out * torch.tensor(grad)).sum().backward()
+                for tensor, expected_grad in zip(tensors, vjp, strict=True):
+                    _close(tensor.grad.numpy(), expected_grad)
+    # Torch CPU tensors with exact parts run the compiled kernels (forward and backward).
+    assert "torch-kernels" in seen
+    # float32 on the kernels: rounding of float32.
+    t32 = [torch.tensor(a, dtype=torch.float32) for a in (q, k, v)]
+    out = la.linear_attention(*t32, fm, **HYBRID)
+    assert out.dtype == torch.float32
+    _close(out.numpy(), _reference(q, k, v, fm, causal=False, **HYBRID), 1e-5)
+
+
+# -- 4. JAX, Dask, array-api-strict ----------------------------------------------------
+
+
+def test_jax_jit_and_grad() -> None:
+    """Outputs and ``jax.grad`` w.r.t. q in one jitted function (one compile a case)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    rng = np.random.default_rng(5)
+    fm = _map(rng, 4, 2, [0.0, 2.0])
+    q, k, v = _inputs(rng, 4, 2)
+    grad = rng.normal(size=(1, 4, 9, DV))
+    with jax.enable_x64(True):
+        jq, jk, jv, jg = (jnp.asarray(a) for a in (q, k, v, grad))
+        for causal, options in ((True, HYBRID), (False, {**HYBRID, "exact_key_mask": EXACT_MASK})):
+            j_options = {
+                name: jnp.asarray(x) if isinstance(x, np.ndarray) else x
+                for name, x in options.items()
+            }
+
+            def outputs_and_dq(q, causal=causal, j_options=j_options):
+                def attend(q):
+                    return la.linear_attention(q, jk, jv, fm, causal=causal, **j_options)
+
+                return attend(q), jax.grad(lambda q: jnp.sum(jg * attend(q)))(q)
+
+            out, dq = jax.jit(outputs_and_dq)(jq)
+            _close(out, _reference(q, k, v, fm, causal=causal, **options))
+            expected = la.linear_attention_vjp(q, k, v, fm, grad, causal=causal, **options)
+            _close(dq, expected[0])
+
+
+def test_dask_chunks_along_the_sequence_and_the_heads() -> None:
+    """Per-head parameters with the head axis chunked: each block's call needs every
+    head, so the graph holds the head axes whole (never a block with another head's
+    parameters)."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng(6)
+    fm = _map(rng, 4, 2, [1.7, 0.0])
+    q, k, v = _inputs(rng, 4, 2)
+
+    def chunked(x, heads):
+        return da.from_array(x, chunks=(1, heads or x.shape[1], 4, x.shape[-1]))
+
+    for causal, options in ((True, {}), (False, {**HYBRID, "exact_key_mask": EXACT_MASK})):
+        expected = _reference(q, k, v, fm, causal=causal, **options)
+        d_options = {
+            key: da.from_array(x, chunks=4) if isinstance(x, np.ndarray) else x
+            for key, x in options.items()
+        }
+        for heads in (None, 1):  # the sequence only; then the heads one by one too
+            dq, dk, dv = (chunked(a, heads) for a in (q, k, v))
+            out = la.linear_attention(dq, dk, dv, fm, causal=causal, **d_options)
+            _close(out.compute(), expected)
+    # The causal graph's state continues the sequence on NumPy arrays.
+    first, state = la.linear_attention(
+        *(chunked(a[..., :5, :], 1) for a in (q, k, v)), fm, causal=True, return_state=True
+    )
+    state = la.LinearAttentionState(
+        kv=np.asarray(state.kv.compute()),
+        log_shift=np.asarray(state.log_shift.compute()),
+        feature_map=state.feature_map,
+        num_tokens=state.num_tokens,
+    )
+    second = la.linear_attention(*(a[..., 5:, :] for a in (q, k, v)), fm, causal=True, state=state)
+    both = np.concatenate([first.compute(), second], axis=-2)
+    _close(both, _reference(q, k, v, fm, causal=True))
+
+
+def test_array_api_strict() -> None:
+    xs = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(7)
+    for name, fm, q, k, v in _cases(rng):
+        for causal in (True, False):
+            for options in _options(causal):
+                s_options = {
+                    key: xs.asarray(x) if isinstance(x, np.ndarray) else x
+                    for key, x in options.items()
+                }
+                out = la.linear_attention(
+                    *(xs.asarray(a) for a in (q, k, v)), fm, causal=causal, **s_options
+                )
+                assert type(out).__module__.startswith("array_api_strict"), name
+                _close(np.asarray(out), _reference(q, k, v, fm, causal=causal, **options))
+
+
+# -- 5. parameter cotangents -----------------------------------------------------------
+
+
+def _parameter_finite_differences(fm, x, d_log, role, names, eps=1e-6):
+    """Central differences of ``sum(d_log * log_features(x))`` in each named parameter."""
+    p = fm.parameters._asdict()
+    out = {}
+    for name in names:
+        base = np.array(p[name])
+        d = np.zeros_like(base)
+        for index in np.ndindex(base.shape):
+            values = []
+            for step in (eps, -eps):
+                moved = base.copy()
+                moved[index] += step
+                changed = fm.with_parameters(**{name: moved})
+                values.append(np.sum(d_log * changed.log_features(x, role=role)))
+            d[index] = (values[0] - values[1]) / (2 * eps)
+        out[name] = d
+    return out
+
+
+def test_parameter_vjp_matches_finite_differences() -> None:
+    rng = np.random.default_rng(8)
+    per_head = _map(rng, 4, 2, [0.7, 1.9])
+    x_q = rng.normal(size=(2, 4, 5, D))
+    x_k = rng.normal(size=(2, 2, 5, D))
+    grouped = per_head.grouped(2, 2)
+    for fm, x, role in (
+        (per_head, x_q, "query"),
+        (per_head, x_k, "key"),
+        # grouped-query inputs (B, H_kv, G, L, d) and (B, H_kv, 1, L, d)
+        (grouped, x_q.reshape(2, 2, 2, 5, D), "query"),
+        (grouped, x_k[:, :, None], "key"),
+        (_map(rng, None, None, 0.4, tied=True), x_q, "key"),
+    ):
+        d_log = rng.normal(size=(*x.shape[:-1], N))
+        got = fm.log_features_parameter_vjp(x, d_log, role=role)
+        prefix = "query" if fm.parameters.tied else role
+        names = [f"{prefix}_weight", f"{prefix}_bias"] + (["far_weight"] if role == "key" else [])
+        assert sorted(got) == sorted(names)
+        if fm is grouped:  # the grouped map's layout; differences on the map it came from
+            shapes = per_head.parameters._asdict()
+            got = {name: got[name].reshape(shapes[name].shape) for name in names}
+            expected = _grouped_finite_differences(per_head, x, d_log, role, names)
+        else:
+            expected = _parameter_finite_differences(fm, x, d_log, role, names)
+        for name in names:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-7, atol=1e-8)
+    # A head with g = 0 chose the exact parts: its far weight gets no cotangent.
+    fm = _map(rng, 4, 2, [0.0, 1.0])
+    d_log = rng.normal(size=(2, 2, 5, N))
+    assert fm.log_features_parameter_vjp(x_k, d_log, role="key")["far_weight"][0] == 0.0
+    assert np.all(fm.log_features(x_k, role="key")[:, 0] < ZERO_FAR_LOG / 2)
+
+
+def _grouped_finite_differences(fm, x, d_log, role, names, eps=1e-6):
+    """As :func:`_parameter_finite_differences` on grouped inputs: the grouped map of
+    ``fm`` with each parameter moved."""
+    group = x.shape[-3] if role == "query" else 2
+    p = fm.parameters._asdict()
+    out = {}
+    for name in names:
+        base = np.array(p[name])
+        d = np.zeros_like(base)
+        for index in np.ndindex(base.shape):
+            values = []
+            for step in (eps, -eps):
+                moved = base.copy()
+                moved[index] += step
+                changed = fm.with_parameters(**{name: moved}).grouped(group, 2)
+                values.append(np.sum(d_log * changed.log_features(x, role=role)))
+            d[index] = (values[0] - values[1]) / (2 * eps)
+        out[name] = d
+    return out
+
+
+# -- 6. errors -------------------------------------------------------------------------
+
+
+def test_errors_name_the_argument() -> None:
+    rng = np.random.default_rng(9)
+    w = rng.normal(size=(4, D, N // 2))
+    fitted = la.FeatureMap.fitted
+    with pytest.raises(ValueError, match=r"query_bias must have shape \(4, 3\)"):
+        fitted(w, np.zeros((4, 4)), tied=True)
+    with pytest.raises(ValueError, match=r"key_weight must have shape \(4, 3\)"):
+        fitted(w, key_weight=np.ones((2, D, N // 2 + 1)))
+    with pytest.raises(ValueError, match="key_weight's heads must divide query_weight's"):
+        fitted(w, key_weight=np.ones((3, D, N // 2)))
+    with pytest.raises(ValueError, match=r"far_weight must be a number or have shape \(2,\)"):
+        fitted(w, key_weight=w[:2], far_weight=[1.0, 1.0, 1.0, 1.0])
+    for bad in (-1.0, [1.0, -0.5]):
+        with pytest.raises(ValueError, match="far_weight must be non-negative"):
+            fitted(w, key_weight=w[:2], far_weight=bad)
+    for bad in (np.inf, [1.0, np.nan]):
+        with pytest.raises(ValueError, match="far_weight must be finite"):
+            fitted(w, key_weight=w[:2], far_weight=bad)
+    with pytest.raises(ValueError, match="key_weight is required unless tied=True"):
+        fitted(w)
+    fm = fitted(w, key_weight=w)
+    x3 = rng.normal(size=(1, 3, 5, D))
+    with pytest.raises(ValueError, match=r"query_weight has heads \(4\) needs inputs"):
+        la.linear_attention(x3, x3, x3, fm)
+    with pytest.raises(ValueError, match=r"query_weight has heads \(4\) needs inputs"):
+        la.linear_attention(x3[0], x3[0], x3[0], fm, window=2)
+    # Grouped-query inputs whose head counts are not the parameters'.
+    q8, kv2 = rng.normal(size=(1, 8, 5, D)), rng.normal(size=(1, 2, 5, D))
+    with pytest.raises(ValueError, match=r"query_weight has 4 heads .* 8 query and 2"):
+        la.linear_attention(q8, kv2, kv2, fitted(w, key_weight=w[:2]))
+    with pytest.raises(ValueError, match=r"key_weight has 4 heads .* needs one per key/value"):
+        la.linear_attention(q8[:, :4], kv2, kv2, fm, causal=True)
+    with pytest.raises(ValueError, match=r"key_weight has 4 heads .* needs one per key/value"):
+        la.linear_attention_vjp(q8[:, :4], kv2, kv2, fm, q8[:, :4, :, :3])
+    for call in (
+        lambda: fm.log_features(x3[0, 0]),
+        lambda: fm.log_features_vjp(x3[0, 0], np.ones((5, N))),
+        lambda: fm.log_features_parameter_vjp(x3[0, 0], np.ones((5, N)), role=None),
+    ):
+        with pytest.raises(ValueError, match="role must be 'query' or 'key' for a fitted map"):
+            call()
+    with pytest.raises(ValueError, match="num_features must be even"):
+        la.FeatureMap(D, 7, kind="hedgehog")
+    with pytest.raises(ValueError, match="no random draw to redraw"):
+        fm.redraw()
