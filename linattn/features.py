@@ -165,7 +165,7 @@ class FeatureMap:
     _rebalance_scales: np.ndarray | None
     _parameters: FittedParameters | None
     _fingerprint: str
-    _grouped_maps: dict[tuple[int, int | None], FeatureMap]
+    _grouped_maps: dict[object, FeatureMap]  # derived maps: grouped, far weight off
 
     def __init__(
         self,
@@ -478,6 +478,23 @@ class FeatureMap:
             grouped = fitted.grouped(p, group, key_heads)  # (checks key_heads)
             self._grouped_maps[key] = self._replace(parameters=grouped)
         return self._grouped_maps[key]
+
+    def _far_cancelled(self) -> FeatureMap:
+        """This map with far weight 1, for calls without exact parts, where ``g`` cancels.
+
+        Every key of a head carries the same ``log g``, so without exact parts it cancels
+        in the normalisation; left in, ``log g = ZERO_FAR_LOG`` would round the key
+        log-features to its float spacing (about ``1e-3`` in float32).  Only the features
+        come from it: states keep the map's own fingerprint.
+        """
+        p = self._parameters
+        if p is None or bool(np.all(p.far_weight == 1.0)):
+            return self
+        if "far" not in self._grouped_maps:
+            ones = np.ones_like(p.far_weight)
+            ones.setflags(write=False)
+            self._grouped_maps["far"] = self._replace(parameters=p._replace(far_weight=ones))
+        return self._grouped_maps["far"]
 
     def redraw(self, *, seed: int | None = None) -> FeatureMap:
         """A new map of the same kind, size and scale with a freshly drawn projection.

@@ -129,6 +129,22 @@ def test_numpy_paths_match_the_dense_reference() -> None:
     assert {"numba-cpu", "array-api"} <= scans
 
 
+def test_float32_plain_attention_with_a_zero_far_weight() -> None:
+    """Without exact parts ``g`` cancels: a head with ``g = 0`` (``log g = -1e4``) keeps
+    float32 rounding (the shift is not added, so the features are not rounded to the
+    float spacing at ``1e4``)."""
+    rng = np.random.default_rng(10)
+    fm = _map(rng, 2, 2, [0.0, 1.0])
+    q, k, v = _inputs(rng, 2, 2)
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    for causal in (True, False):
+        expected = _reference(q, k, v, fm, causal=causal)
+        for backend in (None, "array_api"):
+            out = la.linear_attention(q32, k32, v32, fm, causal=causal, backend=backend)
+            assert out.dtype == np.float32
+            _close(out, expected, 1e-5)
+
+
 def test_fused_paths_say_why_not() -> None:
     """The fused kernels compute random features themselves: a fitted map goes to the
     paths that take log-features (the plan says so; nothing runs wrong)."""
