@@ -175,3 +175,31 @@ def test_a_converted_bert_encodes_and_reloads_without_refit(tmp_path) -> None:  
     other = BertEncoder(random_weights(config, 50, seed=1), config)
     with pytest.raises(ValueError, match="fitted for another model"):
         attention_from_file(path, other)
+
+
+def test_a_conversion_resumes_from_its_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("safetensors")
+    from linattn.models.bert import BertConfig, BertEncoder, random_weights
+    from linattn.models.convert import convert_encoder
+
+    config = BertConfig(8, 2, 2, 1e-12)
+    encoder = BertEncoder(random_weights(config, 50), config)
+    ids = RNG.integers(0, 50, size=(2, 8))
+    mask = np.ones((2, 8), dtype=bool)
+    options = {"window": 2, "num_features": 4, "steps": 3, "progress": lambda line: None}
+    checkpoint = tmp_path / "maps.safetensors"
+    first = convert_encoder(
+        encoder, [(ids, mask)], [(ids, mask)], checkpoint=checkpoint, **options
+    )
+    again = convert_encoder(
+        encoder, [(ids, mask)], [(ids, mask)], checkpoint=checkpoint, **options
+    )
+    assert all(fit is not None for fit in first.fits)
+    assert again.fits == [None, None]  # nothing refitted
+    assert [m.fingerprint for m in again.attention.maps] == [
+        m.fingerprint for m in first.attention.maps
+    ]
+    with pytest.raises(ValueError, match="other options"):
+        convert_encoder(
+            encoder, [(ids, mask)], [(ids, mask)], checkpoint=checkpoint, **{**options, "steps": 4}
+        )

@@ -63,6 +63,7 @@ def convert(args: argparse.Namespace) -> int:
     except (ModelUnavailable, ValueError) as error:
         raise CommandError(f"--model {args.model}: {error}") from None
     tokens = model.tokenize(texts)
+    out = Path(args.out)
     index = np.arange(len(texts))
     validation = index % args.validation_every == args.validation_every - 1
     console = Console()
@@ -82,9 +83,9 @@ def convert(args: argparse.Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         progress=lambda line: console.print(line),
+        checkpoint=out / FITTED_FILE,
     )
     seconds = time.perf_counter() - start
-    out = Path(args.out)
     path = save_fitted(out / FITTED_FILE, done)
     report = {
         "model": str(model.path),
@@ -101,6 +102,8 @@ def convert(args: argparse.Namespace) -> int:
                 "steps": f.steps,
                 "seconds": f.seconds,
             }
+            if f is not None
+            else {"resumed": True}
             for f in done.fits
         ],
     }
@@ -109,6 +112,9 @@ def convert(args: argparse.Namespace) -> int:
     for header in ("layer", "fitted", "window + sinks", "heads with g = 0", "steps", "s"):
         table.add_column(header, right=header != "layer")
     for layer, fit in enumerate(done.fits):
+        if fit is None:
+            table.add_row(str(layer), "resumed", "", "", "", "")
+            continue
         table.add_row(
             str(layer),
             f"{np.sqrt(np.mean(fit.validation_error**2)):.3f}",

@@ -103,14 +103,14 @@ class ConvertedEncoder:
     """What :func:`convert_encoder` returns: the attention callable and each layer's fit."""
 
     attention: FittedAttention
-    fits: list[LayerFit]
+    fits: list[LayerFit | None]
     options: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
 
     @property
     def seconds(self) -> float:
         """The fits' total wall time (activations included in the caller's clock only)."""
-        return float(sum(f.seconds for f in self.fits))
+        return float(sum(f.seconds for f in self.fits if f is not None))
 
 
 def _layer_batches(
@@ -144,6 +144,7 @@ def convert_encoder(
     learning_rate: float = 1e-2,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    checkpoint: str | Path | None = None,
 ) -> ConvertedEncoder:
     """Fit every layer's maps and far weights; the encoder's weights stay as they are.
 
@@ -161,6 +162,9 @@ def convert_encoder(
         the earlier layers converted.
     steps, learning_rate, seed, progress
         As :func:`linattn.transfer.fit_layer` (``seed + layer`` per layer).
+    checkpoint : path, optional
+        A fitted-maps file written after every layer; a rerun with the same options
+        resumes after the layers it holds (their ``fits`` entries are None).
 
     Examples
     --------
@@ -184,39 +188,6 @@ def convert_encoder(
                     f"{name} batches must be (input_ids, key_mask) of one (B, L) shape with "
                     "real tokens; got one without them or with mismatched shapes"
                 )
-    attention = FittedAttention([], window, sink_keys)
-    splits = {"fit": list(fit), "validation": list(validation)}
-    hidden = {name: [encoder.embed(np.asarray(ids)) for ids, _ in b] for name, b in splits.items()}
-    fits = []
-    for layer in range(encoder.config.num_layers):
-        data = {
-            name: _layer_batches(encoder, hidden[name], splits[name], layer) for name in splits
-        }
-        result = fit_layer(
-            data["fit"][0],
-            data["validation"][0],
-            num_features=num_features,
-            window=window,
-            sink_keys=sink_keys,
-            steps=steps,
-            learning_rate=learning_rate,
-            seed=seed + layer,
-            progress=_prefixed(progress, f"layer {layer}: "),
-        )
-        fits.append(result)
-        attention.maps.append(result.feature_map)
-        for name in splits:
-            advanced = []
-            for h, (q, k, v), (_, mask) in zip(
-                hidden[name], data[name][1], splits[name], strict=True
-            ):
-                mask = np.asarray(mask, dtype=bool)
-                if stitch == "exact":
-                    context = exact_attention(q, k, v, mask, layer)
-                else:
-                    context = attention(q, k, v, mask, layer)
-                advanced.append(encoder.finish_layer(h, np.asarray(context, np.float32), layer))
-            hidden[name] = advanced
     options = {
         "window": window,
         "sink_keys": sink_keys,
@@ -226,7 +197,66 @@ def convert_encoder(
         "steps": steps,
         "seed": seed,
     }
-    return ConvertedEncoder(attention, fits, options, model_fingerprint(encoder))
+    fingerprint = model_fingerprint(encoder)
+    done = _resumed(checkpoint, fingerprint, options)
+    attention = FittedAttention([], window, sink_keys)
+    splits = {"fit": list(fit), "validation": list(validation)}
+    hidden = {name: [encoder.embed(np.asarray(ids)) for ids, _ in b] for name, b in splits.items()}
+    fits: list[LayerFit | None] = []
+    for layer in range(encoder.config.num_layers):
+        data = {
+            name: _layer_batches(encoder, hidden[name], splits[name], layer) for name in splits
+        }
+        if layer < len(done):
+            fits.append(None)
+            attention.maps.append(done[layer])
+            if progress is not None:
+                progress(f"layer {layer}: resumed from {checkpoint}")
+        else:
+            result = fit_layer(
+                data["fit"][0],
+                data["validation"][0],
+                num_features=num_features,
+                window=window,
+                sink_keys=sink_keys,
+                steps=steps,
+                learning_rate=learning_rate,
+                seed=seed + layer,
+                progress=_prefixed(progress, f"layer {layer}: "),
+            )
+            fits.append(result)
+            attention.maps.append(result.feature_map)
+            if checkpoint is not None:
+                save_maps(
+                    checkpoint, attention.maps, model_fingerprint=fingerprint, options=options
+                )
+        for name in splits:
+            advanced = []
+            rows = zip(hidden[name], data[name][1], splits[name], strict=True)
+            for h, (q, k, v), (_, mask) in rows:
+                mask = np.asarray(mask, dtype=bool)
+                if stitch == "exact":
+                    context = exact_attention(q, k, v, mask, layer)
+                else:
+                    context = attention(q, k, v, mask, layer)
+                advanced.append(encoder.finish_layer(h, np.asarray(context, np.float32), layer))
+            hidden[name] = advanced
+    return ConvertedEncoder(attention, fits, options, fingerprint)
+
+
+def _resumed(
+    checkpoint: str | Path | None, fingerprint: str, options: dict[str, Any]
+) -> list[la.FeatureMap | None]:
+    """The layers a checkpoint of this model and these options holds (none: [])."""
+    if checkpoint is None or not Path(checkpoint).exists():
+        return []
+    layers, saved = load_maps(checkpoint, model_fingerprint=fingerprint)
+    if saved != options:
+        raise ValueError(
+            f"checkpoint {checkpoint} holds maps fitted with other options ({saved}); "
+            f"expected {options}: remove it or pass another path"
+        )
+    return [fm for fm, _ in layers]
 
 
 def save_fitted(path: str | Path, converted: ConvertedEncoder) -> Path:
