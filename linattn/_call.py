@@ -507,11 +507,13 @@ def exact_parts_vjp(
     grad_output: Array,
     *,
     plan: _dispatch.Plan,
+    parameters: dict[str, Any] | None = None,
     **options: Any,
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` of a call with exact parts: each part's adjoint
     (:func:`linattn.hybrid.paths.parts_vjp`), the far keys on ``plan``'s scan; shaped and
-    typed like ``q``, ``k`` and ``v``.  ``options`` are the call's (no state)."""
+    typed like ``q``, ``k`` and ``v``.  ``options`` are the call's (no state); a fitted
+    map's parameter cotangents are added to ``parameters`` where given."""
     call = exact_parts_call(
         q,
         k,
@@ -531,7 +533,9 @@ def exact_parts_vjp(
             f"grad_output must have the output's shape {shape}; got {tuple(grad_output.shape)}"
         )
     work = compute_dtype(xp, info.dtype)
-    dq, dk, dv = paths.parts_vjp(xp, call.parts, xp.astype(grad_output, work, copy=False))
+    dq, dk, dv = paths.parts_vjp(
+        xp, call.parts, xp.astype(grad_output, work, copy=False), parameters
+    )
     keep = call.keep[..., None]  # masked keys were zeroed before anything was computed
     inputs = {"q": q, "k": k, "v": v}
     grads = {"q": dq, "k": dk, "v": dv}

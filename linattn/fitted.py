@@ -36,6 +36,7 @@ from linattn._xp import Array, Namespace, array_device, from_host, is_array, to_
 __all__ = [
     "ZERO_FAR_LOG",
     "FittedParameters",
+    "add_cotangents",
     "check_parameters",
     "describe",
     "head_axes",
@@ -378,15 +379,25 @@ def parameter_vjp(
     return out
 
 
-def _sum_to(host: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum a broadcast cotangent down to ``shape``.
+def add_cotangents(total: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> None:
+    """Add parameter cotangents ``new`` into ``total`` (in place, by name)."""
+    for name, value in new.items():
+        total[name] = total[name] + value if name in total else value
 
-    The cotangent's trailing axes are ``shape`` itself once a head axis ``H`` is seen as
-    the product of the batch axes it met (``H``, or grouped ``(H_kv, G)``): C order makes
-    both one reshape.
-    """
-    summed: np.ndarray = np.asarray(host, dtype=np.float64).reshape((-1, *shape)).sum(axis=0)
-    return summed
+
+def _sum_to(host: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum a broadcast cotangent down to ``shape``: over the leading axes the parameter
+    lacks, and over the axes where it has 1 and the cotangent more (grouped-query
+    attention's key parameters ``(H_kv, 1, ...)`` against cotangents of every query
+    head of a group, ``(..., H_kv, G, ...)``)."""
+    summed = np.asarray(host, dtype=np.float64)
+    extra = summed.ndim - len(shape)
+    if extra > 0:
+        summed = summed.sum(axis=tuple(range(extra)))
+    ones = tuple(i for i, n in enumerate(shape) if n == 1 and summed.shape[i] != 1)
+    if ones:
+        summed = summed.sum(axis=ones, keepdims=True)
+    return summed.reshape(shape)
 
 
 def describe(p: FittedParameters) -> str:

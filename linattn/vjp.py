@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from linattn import _dispatch
 from linattn._adjoints import bidirectional_vjp, causal_vjp, normalise_vjp, sum_to
 from linattn._call import (
@@ -34,6 +36,7 @@ from linattn._gqa import group_mask
 from linattn._plan import plan_call
 from linattn._xp import Array, compute_dtype, float_dtype, namespace_of
 from linattn.features import FeatureMap
+from linattn.fitted import add_cotangents
 from linattn.state import empty_state
 
 __all__ = ["linear_attention_vjp"]
@@ -55,7 +58,8 @@ def linear_attention_vjp(
     sink_keys: int = 0,
     exact_key_mask: Array | None = None,
     scale: float | None = None,
-) -> tuple[Array, Array, Array]:
+    parameters: bool = False,
+) -> tuple[Any, ...]:
     """Gradients of ``sum(grad_output * linear_attention(q, k, v, feature_map, ...))``.
 
     Parameters
@@ -70,11 +74,18 @@ def linear_attention_vjp(
     causal, key_mask, chunk_size, backend, window, sink_keys, exact_key_mask, scale
         As for :func:`linattn.linear_attention` (no state: a whole sequence); a backward
         pass's ``chunk_size`` is 64 by default on every path.
+    parameters : bool, default False
+        Also return the cotangents of a fitted map's parameters (``kind="hedgehog"``,
+        :mod:`linattn.fitted`) as a fourth item: a dict of float64 NumPy arrays by the
+        names of :meth:`linattn.FeatureMap.fitted` (``query_weight``, ``query_bias``,
+        ``key_weight``, ``key_bias`` unless tied, ``far_weight``), in the parameters'
+        shapes.
 
     Returns
     -------
     (dq, dk, dv) : arrays
-        Shaped and typed like ``q``, ``k`` and ``v`` (broadcast dimensions summed).
+        Shaped and typed like ``q``, ``k`` and ``v`` (broadcast dimensions summed);
+        with ``parameters=True``, ``(dq, dk, dv, d_parameters)``.
 
     Examples
     --------
@@ -92,6 +103,60 @@ def linear_attention_vjp(
     >>> bool(abs((f(v2) - f(v)) / eps - dv[0, 3, 1]) < 1e-5)
     True
     """
+    if not isinstance(parameters, bool):
+        raise TypeError(f"parameters must be True or False; got {parameters!r}")
+    sink: dict[str, np.ndarray] | None = None
+    if parameters:
+        fitted_parameters = getattr(feature_map, "parameters", None)
+        if fitted_parameters is None:
+            kind = getattr(feature_map, "kind", None)
+            raise ValueError(
+                f"parameters=True needs a fitted feature map (kind='hedgehog'); got kind={kind!r}"
+            )
+        sink = {}
+    grads = _vjp(
+        q,
+        k,
+        v,
+        feature_map,
+        grad_output,
+        sink,
+        causal=causal,
+        key_mask=key_mask,
+        chunk_size=chunk_size,
+        backend=backend,
+        window=window,
+        sink_keys=sink_keys,
+        exact_key_mask=exact_key_mask,
+        scale=scale,
+    )
+    if sink is None:
+        return grads
+    assert fitted_parameters is not None
+    arrays = fitted_parameters.arrays()
+    return (*grads, {name: sink.get(name, np.zeros_like(a)) for name, a in arrays.items()})
+
+
+def _vjp(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap,
+    grad_output: Array,
+    sink: dict[str, np.ndarray] | None,
+    /,
+    *,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    chunk_size: int | None = None,
+    backend: Backend | None = None,
+    window: int | None = None,
+    sink_keys: int = 0,
+    exact_key_mask: Array | None = None,
+    scale: float | None = None,
+) -> tuple[Array, Array, Array]:
+    """:func:`linear_attention_vjp`; a fitted map's parameter cotangents are added to
+    ``sink`` where given."""
     if grad_output is None:
         raise TypeError("grad_output must be an array shaped like the output; got None")
     chunk_size = check_chunk_size(chunk_size, _dispatch.DEFAULT_CHUNK_SIZE)
@@ -102,18 +167,24 @@ def linear_attention_vjp(
         heads, kv_heads = int(q.shape[-3]), int(k.shape[-3])
         if exact_key_mask is not None and exact_key_mask.ndim >= 2:
             exact_key_mask = group_mask(exact_key_mask, heads, kv_heads)
+        ungrouped_parameters = getattr(feature_map, "parameters", None)
+        ungrouped_parameters = (
+            {} if ungrouped_parameters is None else ungrouped_parameters._asdict()
+        )
         if isinstance(feature_map, FeatureMap):
             feature_map = feature_map.grouped(heads // kv_heads, kv_heads)
         shape = tuple(getattr(grad_output, "shape", ()))
         if len(shape) == q.ndim and shape[-3] == heads:
             xp = namespace_of({"grad_output": grad_output})
             grad_output = xp.reshape(grad_output, (*shape[:-3], kv_heads, -1, *shape[-2:]))
-        dq, dk, d_values = linear_attention_vjp(
+        grouped_sink: dict[str, np.ndarray] | None = None if sink is None else {}
+        dq, dk, d_values = _vjp(
             grouped_q,
             grouped_k,
             grouped_v,
             feature_map,
             grad_output,
+            grouped_sink,
             causal=causal,
             key_mask=grouped_mask,
             chunk_size=chunk_size,
@@ -123,6 +194,12 @@ def linear_attention_vjp(
             exact_key_mask=exact_key_mask,
             scale=scale,
         )
+        if sink is not None and grouped_sink is not None:
+            # The grouped split is a reshape: its cotangents reshape back.
+            shapes = {name: a.shape for name, a in ungrouped_parameters.items()}
+            add_cotangents(
+                sink, {name: g.reshape(shapes[name]) for name, g in grouped_sink.items()}
+            )
         xp = namespace_of({"dk": dk})
         return ungroup(dq), xp.reshape(dk, tuple(k.shape)), xp.reshape(d_values, tuple(v.shape))
     if window is not None or sink_keys != 0 or exact_key_mask is not None:
@@ -132,6 +209,7 @@ def linear_attention_vjp(
             v,
             feature_map,
             grad_output,
+            parameters=sink,
             causal=causal,
             key_mask=key_mask,
             chunk_size=chunk_size,
@@ -236,6 +314,9 @@ def linear_attention_vjp(
             )
     dq = feature_map.log_features_vjp(q, d_lq, role="query", statistics=statistics)
     dk = feature_map.log_features_vjp(k, d_lk, role="key", statistics=statistics)
+    if sink is not None:
+        add_cotangents(sink, feature_map.log_features_parameter_vjp(q, d_lq, role="query"))
+        add_cotangents(sink, feature_map.log_features_parameter_vjp(k, d_lk, role="key"))
     d_values = d_va[..., :dv]
     q, k, v = inputs  # gradients in the callers' dtypes
     return (
@@ -253,6 +334,7 @@ def _exact_parts_vjp(
     grad_output: Array,
     *,
     backend: Backend | None,
+    parameters: dict[str, np.ndarray] | None = None,
     **options: Any,
 ) -> tuple[Array, Array, Array]:
     """The VJP of hybrid attention: each part's adjoint
@@ -263,4 +345,6 @@ def _exact_parts_vjp(
         )
     # The far keys' scan as linear_attention's plan runs it (the portable parts on Dask).
     plan = plan_call(Call(q, k, v, feature_map, backend=backend, **options)).scan
-    return exact_parts_vjp(q, k, v, feature_map, grad_output, plan=plan, **options)
+    return exact_parts_vjp(
+        q, k, v, feature_map, grad_output, plan=plan, parameters=parameters, **options
+    )

@@ -471,3 +471,43 @@ def test_errors_name_the_argument() -> None:
         la.FeatureMap(D, 7, kind="hedgehog")
     with pytest.raises(ValueError, match="no random draw to redraw"):
         fm.redraw()
+
+
+# -- 7. parameter cotangents of attention ------------------------------------------------
+
+
+def test_attention_vjp_parameters_match_finite_differences() -> None:
+    """``linear_attention_vjp(..., parameters=True)``: plain and hybrid, per-head with
+    grouped-query inputs and a shared tied map, against central differences of the
+    dense reference in every parameter entry."""
+    rng = np.random.default_rng(11)
+    exact = EXACT_MASK[:5]
+    cases = [
+        (_map(rng, 4, 2, [0.7, 1.9]), 4, 2, {"causal": True}),
+        (_map(rng, 4, 2, [0.7, 1.9]), 4, 2, {"causal": False, **HYBRID, "exact_key_mask": exact}),
+        (_map(rng, None, None, 0.6, tied=True), 2, 2, {"causal": True, **HYBRID}),
+    ]
+    eps = 1e-6
+    for fm, heads, kv_heads, options in cases:
+        q, k, v = _inputs(rng, heads, kv_heads, length=5)
+        grad = rng.normal(size=(1, heads, 5, DV))
+        plain = la.linear_attention_vjp(q, k, v, fm, grad, **options)
+        assert len(plain) == 3
+        *inputs, got = la.linear_attention_vjp(q, k, v, fm, grad, parameters=True, **options)
+        for a, b in zip(inputs, plain, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert sorted(got) == sorted(fm.parameters.arrays())
+        for name, base in fm.parameters.arrays().items():
+            expected = np.zeros_like(base)
+            for index in np.ndindex(base.shape):
+                values = []
+                for step in (eps, -eps):
+                    moved = np.array(base)
+                    moved[index] += step
+                    changed = fm.with_parameters(**{name: moved})
+                    values.append(np.sum(grad * _reference(q, k, v, changed, **options)))
+                expected[index] = (values[0] - values[1]) / (2 * eps)
+            assert got[name].shape == base.shape, name
+            np.testing.assert_allclose(got[name], expected, rtol=1e-7, atol=1e-8, err_msg=name)
+    with pytest.raises(ValueError, match="parameters=True needs a fitted feature map"):
+        la.linear_attention_vjp(q, k, v, la.FeatureMap(D, 8), grad, parameters=True)

@@ -12,6 +12,7 @@ from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._adjoints import bidirectional_vjp, causal_vjp
 from linattn._xp import Array, Namespace, array_device, constant
+from linattn.fitted import add_cotangents
 from linattn.hybrid.merge import (
     Band,
     Partial,
@@ -248,10 +249,19 @@ class FarPart(Part):
             rows, log_scale = xp.flip(rows, axis=-2), xp.flip(log_scale, axis=-1)
         return (rows, log_scale), kv, log_shift
 
-    def backward(self, xp: Namespace, g: Array, partial: Partial) -> tuple[Array | None, ...]:
+    def backward(
+        self,
+        xp: Namespace,
+        g: Array,
+        partial: Partial,
+        parameters: dict[str, Any] | None = None,
+    ) -> tuple[Array | None, ...]:
+        """``parameters``: a dict that a fitted map's parameter cotangents are added to."""
         if self.reverse:
             g = xp.flip(g, axis=-2)
         q, k, v, keep = self.operands(xp)
+        if parameters is not None and self.fused_backward:
+            raise ValueError("parameter cotangents need a fitted map (no fused backward)")
         if self.fused_backward:
             # Rows P = [o | 1] at scale c = lse stand for [num | den] = P exp(c): the
             # cotangent G of P (c held) is G[:d_v] of o and G[:d_v] . o + G[d_v] of lse.
@@ -275,6 +285,9 @@ class FarPart(Part):
             dq = fm.log_features_vjp(q, d_lq, role="query", statistics=stats)
             dk = fm.log_features_vjp(k, d_lk, role="key", statistics=stats)
             dv = d_va[..., :-1]
+            if parameters is not None:
+                add_cotangents(parameters, fm.log_features_parameter_vjp(q, d_lq, role="query"))
+                add_cotangents(parameters, fm.log_features_parameter_vjp(k, d_lk, role="key"))
         if self.causal and self.lag:  # lagged key i is the call's key i - lag
             length = q.shape[-2]
             dk, dv = (

@@ -123,9 +123,10 @@ def hybrid_rows(xp: Namespace, found: list[Part]) -> tuple[Array, dict[str, Any]
 
 
 def parts_vjp(
-    xp: Namespace, found: list[Part], grad: Array
+    xp: Namespace, found: list[Part], grad: Array, parameters: dict[str, Any] | None = None
 ) -> tuple[Array | None, Array | None, Array | None]:
-    """Cotangents ``(dq, dk, dv)`` of the broadcast inputs from that of the output.
+    """Cotangents ``(dq, dk, dv)`` of the broadcast inputs from that of the output;
+    a fitted map's parameter cotangents are added to ``parameters`` where given.
 
     The merge's scales and every part's stabilisers are held constant: the output is
     invariant to them (numerator and denominator share them), so this is exact.
@@ -139,7 +140,11 @@ def parts_vjp(
     totals: list[Array | None] = [None, None, None]
     for part, partial in zip(found, partials, strict=True):
         scale = partial[1]
-        grads = part.backward(xp, xp.exp(scale - top)[..., None] * g_rows, partial)
+        g_part = xp.exp(scale - top)[..., None] * g_rows
+        if parameters is not None and isinstance(part, FarPart):
+            grads = part.backward(xp, g_part, partial, parameters=parameters)
+        else:
+            grads = part.backward(xp, g_part, partial)
         for i, g in enumerate(grads):
             if g is not None:
                 totals[i] = g if totals[i] is None else totals[i] + g
