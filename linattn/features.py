@@ -457,7 +457,7 @@ class FeatureMap:
         """This map for grouped-query inputs split as :func:`linattn._gqa.grouped` does:
         per-head parameters get the ``(H_kv, G)`` head axes (others: the map itself).
         ``key_heads`` (``H_kv``), when given, is checked against the parameters' heads
-        (:func:`linattn.fitted.grouped`).
+        (``linattn.fitted.grouped``).
 
         Examples
         --------

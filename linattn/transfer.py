@@ -661,7 +661,7 @@ def save_maps(
 ) -> Path:
     """Write one model's fitted maps (one per layer, None for none) to a safetensors file.
 
-    The metadata holds :data:`FORMAT`, the linattn version, ``model_fingerprint`` (the
+    The metadata holds ``FORMAT``, the linattn version, ``model_fingerprint`` (the
     caller's digest of the model's weights and configuration), each map's softmax scale
     and ``options`` (JSON: how the maps were fitted and are to be called).  Needs the
     ``safetensors`` package.
