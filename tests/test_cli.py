@@ -545,3 +545,21 @@ def test_the_library_never_imports_the_cli() -> None:
     code = "import sys, linattn; print(sorted(m for m in sys.modules if 'cli' in m))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "linattn.cli" not in done.stdout
+
+
+def test_convert_names_its_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.txt"
+    error = _error_of(["convert", "--model", "minilm", "--texts", str(missing)], capsys)
+    assert f"--texts {missing}" in error
+    one = tmp_path / "one.txt"
+    one.write_text("a single text\n")
+    error = _error_of(["convert", "--model", "minilm", "--texts", str(one)], capsys)
+    assert "needs at least 2 non-empty lines" in error
+    error = _error_of(
+        ["convert", "--model", "minilm", "--texts", str(one), "--window", "0"], capsys
+    )
+    assert "--window" in error
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    error = _error_of(["accuracy", "--model", "minilm", "--fitted", str(folder)], capsys)
+    assert f"--fitted {folder}" in error

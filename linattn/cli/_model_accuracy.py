@@ -115,8 +115,14 @@ def _fitted_configs(folder: Path) -> list[Any]:
     from linattn.transfer import load_maps
 
     path = Path(folder) / FITTED_FILE
+    if not path.is_file():
+        raise CommandError(
+            f"--fitted {folder}: no {FITTED_FILE} there (`linattn convert` writes it)"
+        )
     try:
         _, options = load_maps(path, model_fingerprint=None)
+    except ImportError:
+        raise CommandError(f"--fitted {folder}: reading it needs safetensors") from None
     except ValueError as error:
         raise CommandError(f"--fitted {folder}: {error}") from None
     window = options.get("window")
@@ -133,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.format == "csv":
         raise CommandError("argument --format: --model gives table or json; got csv")
+    fitted_configs = None if args.fitted is None else _fitted_configs(args.fitted)
     try:
         model = load_model(args.model)
     except ModelUnavailable as error:
@@ -140,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise CommandError(f"--model {args.model}: {error}") from None
     texts = load_texts(args.texts)
-    configs = default_configs() if args.fitted is None else _fitted_configs(args.fitted)
+    configs = default_configs() if fitted_configs is None else fitted_configs
     batch_size = 20
     steps = math.ceil(len(texts) / batch_size) * (len(configs) + 1)
     with progress(args.format == "table") as bar:
