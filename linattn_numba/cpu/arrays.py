@@ -3,6 +3,11 @@
 Python-level, before any compiled code runs: the dtypes the compiled loops take, the
 memory budget of the backward's stored states, contiguous views, copies the kernels
 may overwrite, and the rows of a state that hold nothing.
+
+Every input reaches a kernel read-only (:func:`readonly`), whether the caller's array was
+writable or not (``np.broadcast_to`` views, read-only masks): Numba types an array by
+its writability too, so a mix would compile each kernel once per combination.  Only
+the outputs and the states a kernel updates in place are writable.
 """
 
 from __future__ import annotations
@@ -11,7 +16,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DTYPES", "STORE_BYTES", "chunk_length", "contiguous", "fresh", "without_empty_rows"]
+__all__ = [
+    "DTYPES",
+    "STORE_BYTES",
+    "chunk_length",
+    "contiguous",
+    "fresh",
+    "readonly",
+    "without_empty_rows",
+]
 
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -22,9 +35,25 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 STORE_BYTES = 48 * 2**20
 
 
+def readonly(x: np.ndarray) -> np.ndarray:
+    """A read-only view of ``x`` (``x`` itself is left as it was): how every input reaches
+    a kernel, so that each kernel compiles once per dtype, not once per mix of writable
+    and read-only inputs.
+
+    >>> import numpy as np
+    >>> x = np.zeros(2)
+    >>> readonly(x).flags.writeable, x.flags.writeable
+    (False, True)
+    """
+    view = x.view()
+    view.flags.writeable = False
+    return view
+
+
 def contiguous(x: np.ndarray, shape: tuple[int, ...], dtype: Any = None) -> np.ndarray:
-    """``x`` as a C-contiguous array of ``shape`` (a view where it already is one)."""
-    return np.ascontiguousarray(x, dtype=dtype).reshape(shape)
+    """``x`` as a read-only C-contiguous array of ``shape`` (a view where it already is
+    one): a kernel's input."""
+    return readonly(np.ascontiguousarray(x, dtype=dtype).reshape(shape))
 
 
 def fresh(x: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

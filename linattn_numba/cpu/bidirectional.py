@@ -39,7 +39,7 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _machinery
-from linattn_numba.cpu.arrays import without_empty_rows
+from linattn_numba.cpu.arrays import readonly, without_empty_rows
 from linattn_numba.cpu.calls import FusedCall
 from linattn_numba.cpu.chunks import running_max, shift_between
 from linattn_numba.cpu.exact import exact_rows, merge_into
@@ -355,7 +355,7 @@ def favor_bidirectional(
         )
     lse = np.empty((call.n, call.length if return_log_normaliser else 0), call.dtype)
     exact = call.sinks(sinks)
-    window_consts = np.array([0.0, -np.inf, scale], dtype=call.dtype)
+    window_consts = readonly(np.array([0.0, -np.inf, scale], dtype=call.dtype))
     with _machinery.single_threaded_blas():
         _forward.run(call.variant, *call.operands(), kv, mu, out, lse, *exact, window_consts)
     batch = call.batch
@@ -407,7 +407,7 @@ def favor_bidirectional_backward(
     call = FusedCall(q, k, v, projection, hyperbolic, scale, key_mask)
     state = call.check("kv", kv, (call.m, call.dv + 1))
     mu = call.check("log_shift", log_shift, (call.m,))
-    state = without_empty_rows(state.copy(), mu)
+    state = readonly(without_empty_rows(state.copy(), mu))
     out = call.check("outputs", outputs, (call.length, call.dv))
     grad = call.check("grad_output", grad_output, (call.length, call.dv))
     dq, dk, dv = (np.empty(x.shape, call.dtype) for x in (call.q, call.k, call.v))

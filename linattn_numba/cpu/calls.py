@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from linattn_numba import _contract, _machinery
-from linattn_numba.cpu.arrays import chunk_length, contiguous, fresh, without_empty_rows
+from linattn_numba.cpu.arrays import (
+    chunk_length,
+    contiguous,
+    fresh,
+    readonly,
+    without_empty_rows,
+)
 
 __all__ = ["CausalFusedCall", "FusedCall"]
 
@@ -96,8 +102,10 @@ class FusedCall:
         self.v = flat(v, (key_length, self.dv), self.dtype)
         mask = np.ones(key_length, bool) if key_mask is None else key_mask
         self.mask = flat(mask, (key_length,), None)
-        self.consts = np.array([0.5 * scale, 0.5 * np.log(self.m)], dtype=self.dtype)
-        self.projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=self.dtype)
+        self.consts = readonly(np.array([0.5 * scale, 0.5 * np.log(self.m)], dtype=self.dtype))
+        self.projection = readonly(
+            np.ascontiguousarray(np.sqrt(scale) * projection, dtype=self.dtype)
+        )
         tokens = max(length, key_length)
         self.variant = _machinery.choose_variant(self.n, tokens, self.m * (self.dv + 1))
 
@@ -108,9 +116,9 @@ class FusedCall:
         """The checked, flattened ``(keys, values, visible)`` of exact keys (none: empty)."""
         if sinks is None:
             return (
-                np.zeros((self.n, 0, self.d), self.dtype),
-                np.zeros((self.n, 0, self.dv), self.dtype),
-                np.zeros((self.n, self.length, 0), np.bool_),
+                readonly(np.zeros((self.n, 0, self.d), self.dtype)),
+                readonly(np.zeros((self.n, 0, self.dv), self.dtype)),
+                readonly(np.zeros((self.n, self.length, 0), np.bool_)),
             )
         if not isinstance(sinks, tuple) or len(sinks) != 3:
             raise TypeError(f"sinks must be a tuple (keys, values, visible); got {sinks!r}")

@@ -39,6 +39,7 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _machinery
+from linattn_numba.cpu.arrays import contiguous
 from linattn_numba.cpu.chunks import (
     chunk_forward,
     chunk_shifts,
@@ -194,17 +195,17 @@ def decode_step(
     n = math.prod(batch)
     if consts is None:
         consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
-        projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
-    qf = np.ascontiguousarray(q).reshape(n, length, head_dim)
-    kf = np.ascontiguousarray(k).reshape(n, length, head_dim)
-    vf = np.ascontiguousarray(v).reshape(n, length, dv)
-    mask = (
-        np.ones((n, length), np.bool_)
-        if key_mask is None
-        else np.ascontiguousarray(key_mask).reshape(n, length)
+        projection = np.sqrt(scale) * projection
+    consts = contiguous(consts, consts.shape, dtype)
+    projection = contiguous(projection, projection.shape, dtype)
+    qf = contiguous(q, (n, length, head_dim))
+    kf = contiguous(k, (n, length, head_dim))
+    vf = contiguous(v, (n, length, dv))
+    mask = contiguous(
+        np.ones((n, length), np.bool_) if key_mask is None else key_mask, (n, length)
     )
-    kv_in = np.ascontiguousarray(kv).reshape(n, m, dv + 1)
-    mu_in = np.ascontiguousarray(log_shift).reshape(n, m)
+    kv_in = contiguous(kv, (n, m, dv + 1))
+    mu_in = contiguous(log_shift, (n, m))
     out = np.empty((n, length, dv), dtype)
     kv_out = np.empty((n, m, dv + 1), dtype)
     mu_out = np.empty((n, m), dtype)

@@ -15,7 +15,13 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _contract, _machinery
-from linattn_numba.cpu.arrays import chunk_length, contiguous, fresh, without_empty_rows
+from linattn_numba.cpu.arrays import (
+    chunk_length,
+    contiguous,
+    fresh,
+    readonly,
+    without_empty_rows,
+)
 from linattn_numba.cpu.calls import CausalFusedCall
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
 from linattn_numba.cpu.features import FEATURE_BLOCK, log_features
@@ -155,8 +161,8 @@ def favor_causal(
     mu = fresh(np.broadcast_to(log_shift, (*batch, m)), (n, m), dtype)
     state = fresh(np.broadcast_to(kv, (*batch, m, dv + 1)), (n, m, dv + 1), dtype)
     state = without_empty_rows(state, mu)
-    consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
-    scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
+    consts = readonly(np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype))
+    scaled_projection = readonly(np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype))
     out = np.empty((n, length, dv), dtype)
     lse = np.empty((n, length if return_log_normaliser else 0), dtype)
     variant = _machinery.choose_variant(n, length, m * (dv + 1))

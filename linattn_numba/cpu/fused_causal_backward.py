@@ -32,7 +32,7 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _machinery
-from linattn_numba.cpu.arrays import STORE_BYTES, without_empty_rows
+from linattn_numba.cpu.arrays import STORE_BYTES, readonly, without_empty_rows
 from linattn_numba.cpu.calls import CausalFusedCall
 from linattn_numba.cpu.chunks import (
     absorb,
@@ -258,11 +258,11 @@ def backward(
     out = call.check("outputs", outputs, (call.length, call.dv))
     grad = call.check("grad_output", grad_output, (call.length, call.dv))
     if grad_log_normaliser is None:
-        grad_lse = np.empty((call.n, 0), call.dtype)
+        grad_lse = readonly(np.empty((call.n, 0), call.dtype))
     else:
         grad_lse = call.check("grad_log_normaliser", grad_log_normaliser, (call.length,))
     if grad_kv is None:
-        dkv_out = np.zeros((call.n, m, width), call.dtype)
+        dkv_out = readonly(np.zeros((call.n, m, width), call.dtype))
     else:
         dkv_out = call.check("grad_kv", grad_kv, (m, width))
     dq, dk, dv = (np.empty(x.shape, call.dtype) for x in (call.q, call.k, call.v))

@@ -57,7 +57,7 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _contract, _machinery
-from linattn_numba.cpu.arrays import DTYPES, chunk_length, without_empty_rows
+from linattn_numba.cpu.arrays import DTYPES, chunk_length, contiguous, readonly, without_empty_rows
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
 from linattn_numba.cpu.exact import exact_chunk, exact_rows, in_band, merge_into
 from linattn_numba.cpu.features import FEATURE_BLOCK, log_features
@@ -271,11 +271,11 @@ def _launch(
 
     def flat(name: str, tail: int) -> np.ndarray:
         x = arrays[name]
-        return np.ascontiguousarray(x).reshape((n, *x.shape[x.ndim - tail :]))
+        return contiguous(x, (n, *x.shape[x.ndim - tail :]))
 
-    consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
-    window_consts = np.array([0.0, -np.inf, scale], dtype=dtype)
-    scaled_projection = np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype)
+    consts = readonly(np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype))
+    window_consts = readonly(np.array([0.0, -np.inf, scale], dtype=dtype))
+    scaled_projection = readonly(np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype))
     out = np.empty((n, length, dv), dtype)
     chunk = chunk_length(_contract.check_chunk_size(chunk_size), length)
     span = back + ahead + 1

@@ -45,6 +45,7 @@ import numpy as np
 from numba import prange
 
 from linattn_numba import _machinery
+from linattn_numba.cpu.arrays import contiguous, readonly
 from linattn_numba.cpu.scalars import fast_exp, finite_shift
 
 __all__ = ["DTYPES", "banded_partial", "banded_partial_backward"]
@@ -193,12 +194,13 @@ def _check(
 
 
 def _flat(x: np.ndarray, count: int) -> np.ndarray:
-    """``x`` with its batch axes flattened, C-contiguous (a view where it already is)."""
-    return np.ascontiguousarray(x).reshape((count, *x.shape[len(x.shape) - 2 :]))
+    """``x`` with its batch axes flattened, C-contiguous and read-only (a view where it
+    already is contiguous)."""
+    return contiguous(x, (count, *x.shape[len(x.shape) - 2 :]))
 
 
 def _flat_keep(x: np.ndarray, count: int) -> np.ndarray:
-    return np.ascontiguousarray(x).reshape((count, x.shape[-1]))
+    return contiguous(x, (count, x.shape[-1]))
 
 
 def _flat_inputs(q: Any, keys: Any, values: Any, keep: Any, count: int) -> tuple[Any, ...]:
@@ -207,7 +209,7 @@ def _flat_inputs(q: Any, keys: Any, values: Any, keep: Any, count: int) -> tuple
 
 def _consts(dtype: np.dtype, scale: float) -> np.ndarray:
     """``[0, -inf, scale]`` in the compute dtype (so that no float64 enters float32 code)."""
-    return np.array([0.0, -np.inf, scale], dtype=dtype)
+    return readonly(np.array([0.0, -np.inf, scale], dtype=dtype))
 
 
 def _variant(count: int, length: int, span: int, d: int, dv: int) -> str:
