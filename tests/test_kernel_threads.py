@@ -32,7 +32,10 @@ from linattn_numba.cpu import fused_causal
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Tiny shapes (compiling dominates); the parent forces the parallel variant, so that
-#: its thread pool is running when it forks or hands work to threads.
+#: its thread pool is running when it forks or hands work to threads.  The kernel is the
+#: exact window's (``linattn_numba.cpu.window``): the same machinery (``Variants``, the
+#: serial twin and its cache entry, the variant chosen per call) as every CPU kernel, at a
+#: tenth of the fused causal pass's compile time, which each program pays again.
 PROGRAM = """
 import concurrent.futures, multiprocessing, sys
 import numpy as np
@@ -48,13 +51,15 @@ except ImportError:  # (a version without the serial variants)
 def attend(seed):
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((4, 24, 8)) for _ in range(3))
-    fm = la.FeatureMap(8, 16, seed=0)
-    return la.linear_attention(q, k, v, fm, causal=True, backend="numba", chunk_size=8)
+    return la.linear_attention(q, k, v, None, causal=True, window=4)
 
 
 if __name__ == "__main__":
     seeds = list(range(8))
     expected = [attend(s) for s in seeds]
+    from linattn_numba.cpu import window
+    if window._forward.launches["parallel"] != len(seeds):
+        sys.exit(f"the parallel window kernel did not run: {window._forward.launches}")
     if sys.argv[1] == "fork":
         with multiprocessing.get_context("fork").Pool(2) as pool:
             got = pool.map(attend, seeds)
@@ -81,6 +86,7 @@ def _run(
     off), whatever this process's setting."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     environment.pop("NUMBA_CACHE_DIR", None)
+    environment.pop("LINATTN_BACKEND", None)  # (the kernel, whatever this process runs)
     environment[_machinery.CACHE_VARIABLE] = "0" if cache is None else str(cache)
     environment.update(env)
     try:
