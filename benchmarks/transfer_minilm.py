@@ -189,6 +189,20 @@ def main() -> None:
                     ]
                 results.append(row)
                 print(json.dumps(row))
+    if args.alone:
+        for m in args.m:
+            start = time.perf_counter()
+            done = convert_encoder(
+                encoder, parts["fit"], parts["validation"], window=None, sink_keys=0,
+                exact_sep=False, num_features=m, steps=args.steps, learning_rate=args.lr,
+                progress=lambda line: None,
+            )  # fmt: skip
+            fit_seconds = time.perf_counter() - start
+            emb, seconds = encode(encoder, parts["test"], done.attention)
+            row = {"config": f"fitted m{m} alone", "window": None}
+            row.update(summary(emb, exact_emb, test_lengths), encode_s=seconds, fit_s=fit_seconds)
+            results.append(row)
+            print(json.dumps(row))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -114,12 +114,17 @@ class ConvertedEncoder:
 
 
 def _layer_batches(
-    encoder: BertEncoder, hidden: list[np.ndarray], batches: Sequence[Batch], layer: int
+    encoder: BertEncoder,
+    hidden: list[np.ndarray],
+    batches: Sequence[Batch],
+    layer: int,
+    exact_sep: bool = True,
 ) -> tuple[list[LayerBatch], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
     out, qkv = [], []
     for h, (_, mask) in zip(hidden, batches, strict=True):
         q, k, v = encoder.qkv(h, layer)
-        out.append(LayerBatch(q, k, v, np.asarray(mask, dtype=bool), sep_mask(mask)))
+        exact = sep_mask(mask) if exact_sep else None
+        out.append(LayerBatch(q, k, v, np.asarray(mask, dtype=bool), exact))
         qkv.append((q, k, v))
     return out, qkv
 
@@ -145,6 +150,7 @@ def convert_encoder(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     checkpoint: str | Path | None = None,
+    exact_sep: bool = True,
 ) -> ConvertedEncoder:
     """Fit every layer's maps and far weights; the encoder's weights stay as they are.
 
@@ -155,13 +161,16 @@ def convert_encoder(
         Tokenised calibration batches from disjoint texts (see
         :func:`linattn.transfer.fit_layer`); keep a third split for measuring.
     window, sink_keys : int
-        The exact parts (``[SEP]`` is always exact as well).
+        The exact parts (``window=None, sink_keys=0, exact_sep=False``: fitted maps
+        alone, no exact part).
     num_features : int, default 64
     stitch : {"exact", "converted"}
         Fit each layer on the exact model's activations, or on those of the model with
         the earlier layers converted.
     steps, learning_rate, seed, progress
         As :func:`linattn.transfer.fit_layer` (``seed + layer`` per layer).
+    exact_sep : bool, default True
+        Each row's ``[SEP]`` is an exact key too.
     checkpoint : path, optional
         A fitted-maps file written after every layer; a rerun with the same options
         resumes after the layers it holds (their ``fits`` entries are None).
@@ -191,7 +200,7 @@ def convert_encoder(
     options = {
         "window": window,
         "sink_keys": sink_keys,
-        "exact_keys": "sep",
+        "exact_keys": "sep" if exact_sep else None,
         "num_features": num_features,
         "stitch": stitch,
         "steps": steps,
@@ -199,13 +208,14 @@ def convert_encoder(
     }
     fingerprint = model_fingerprint(encoder)
     done = _resumed(checkpoint, fingerprint, options)
-    attention = FittedAttention([], window, sink_keys)
+    attention = FittedAttention([], window, sink_keys, exact_sep)
     splits = {"fit": list(fit), "validation": list(validation)}
     hidden = {name: [encoder.embed(np.asarray(ids)) for ids, _ in b] for name, b in splits.items()}
     fits: list[LayerFit | None] = []
     for layer in range(encoder.config.num_layers):
         data = {
-            name: _layer_batches(encoder, hidden[name], splits[name], layer) for name in splits
+            name: _layer_batches(encoder, hidden[name], splits[name], layer, exact_sep)
+            for name in splits
         }
         if layer < len(done):
             fits.append(None)
