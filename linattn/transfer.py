@@ -539,6 +539,8 @@ def _fit_layer(
         for name, value in values.items():
             _take_heads(best[name], value, better, heads, key_heads, name, tied)
     exact_only = best_err.sum(axis=1) >= base.sum(axis=1)
+    if window is None and not sink_keys and all(b.exact_key_mask is None for b in validation):
+        exact_only[:] = False  # no exact part: g cancels, the map is all there is
     best["log_far_weight"] = np.where(exact_only, -np.inf, best["log_far_weight"])
     kept = _parameters(best, tied)
     fm = FeatureMap.fitted(
