@@ -236,3 +236,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def linear_attention_for(backend: Backend) -> Callable[..., Any]:
+    """``la.linear_attention`` for a decoding loop: on JAX jitted (the state is a pytree,
+    the map and the options static), so each shape compiles once as one program instead
+    of op by op eagerly (several times faster on CPU); elsewhere the function itself."""
+    import linattn as la
+
+    if backend.name != "jax":
+        return la.linear_attention
+    import jax
+
+    static = ("causal", "window", "sink_keys", "return_state", "chunk_size")
+    return jax.jit(la.linear_attention, static_argnames=static)

@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import Backend, assert_close
+from conftest import Backend, assert_close, linear_attention_for
 from reference import linear_reference, softmax_reference
 
 import linattn as la
@@ -119,13 +119,14 @@ def test_favor_attention_is_linear_attention_with_a_fresh_map(
 def test_whole_equals_pieces_equals_tokens(backend: Backend) -> None:
     fm = _map("positive", m=32)
     q, k, v = (backend.asarray(a, dtype="float32") for a in (Q, K, V))
-    whole = backend.to_numpy(la.linear_attention(q, k, v, fm, causal=True, chunk_size=4))
+    attend = linear_attention_for(backend)
+    whole = backend.to_numpy(attend(q, k, v, fm, causal=True, chunk_size=4))
     for cuts in ([0, 5, 6, 13], list(range(14))):
         state = None
         parts = []
         for start, stop in itertools.pairwise(cuts):
             piece = (a[..., start:stop, :] for a in (q, k, v))
-            out, state = la.linear_attention(
+            out, state = attend(
                 *piece, fm, causal=True, state=state, return_state=True, chunk_size=4
             )
             parts.append(backend.to_numpy(out))
