@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import linattn as la
+from linattn import _dispatch
 from linattn.fitted import ZERO_FAR_LOG
 
 D, N, DV = 4, 6, 3  # head_dim, features (N / 2 columns of W), value dim
@@ -126,7 +127,10 @@ def test_numpy_paths_match_the_dense_reference() -> None:
                     rows = slice(head * group, (head + 1) * group)
                     _close(out[:, rows], sparse[:, rows], 1e-12)
     assert {"portable", "hybrid-parts"} <= executors
-    assert {"numba-cpu", "array-api"} <= scans
+    # Without the kernels (numba absent, or $LINATTN_BACKEND=array_api) every scan is
+    # the array API's.
+    kernels = _dispatch.numpy_kernels_why_not() is None
+    assert ({"numba-cpu", "array-api"} if kernels else {"array-api"}) <= scans
 
 
 def test_float32_plain_attention_with_a_zero_far_weight() -> None:
@@ -148,6 +152,9 @@ def test_float32_plain_attention_with_a_zero_far_weight() -> None:
 def test_fused_paths_say_why_not() -> None:
     """The fused kernels compute random features themselves: a fitted map goes to the
     paths that take log-features (the plan says so; nothing runs wrong)."""
+    why_not = _dispatch.numpy_kernels_why_not()
+    if why_not is not None:
+        pytest.skip(f"no compiled kernels here: {why_not}")
     rng = np.random.default_rng(1)
     fm = _map(rng, 2, 2, 1.0)
     q, k, v = _inputs(rng, 2, 2)
@@ -253,7 +260,8 @@ def test_torch_outputs_gradients_and_kernels() -> None:
                 for tensor, expected_grad in zip(tensors, vjp, strict=True):
                     _close(tensor.grad.numpy(), expected_grad)
     # Torch CPU tensors with exact parts run the compiled kernels (forward and backward).
-    assert "torch-kernels" in seen
+    if _dispatch.numpy_kernels_why_not() is None:
+        assert "torch-kernels" in seen
     # float32 on the kernels: rounding of float32.
     t32 = [torch.tensor(a, dtype=torch.float32) for a in (q, k, v)]
     out = la.linear_attention(*t32, fm, **HYBRID)
