@@ -246,7 +246,7 @@ def docs(session: nox.Session) -> None:
     installed; the README's examples run in ``tests/test_cli.py`` too.
     """
     docs = nox.project.dependency_groups(PYPROJECT, "docs")
-    session.install("-e", ".[numba,cli,dask]", *docs, "-r", "docs/requirements.txt")
+    session.install("-e", ".[numba,cli,dask,models]", *docs, "-r", "docs/requirements.txt")
     session.run("pytest", "tests/test_cli.py", "-p", "no:cacheprovider")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     session.run(
