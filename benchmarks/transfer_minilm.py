@@ -41,21 +41,14 @@ import documents
 import linattn as la
 from linattn.models import load_model
 from linattn.models.bert import exact_attention
-from linattn.models.convert import FittedAttention, convert_encoder
+from linattn.models.convert import FittedAttention, convert_encoder, length_batches
 
 
 def batches(
     batch: documents.Batch, size: int, limit: int | None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The first ``limit`` rows, sorted by length, each batch cut to its longest row."""
-    rows = np.arange(len(batch))[:limit]  # the first rows in file order
-    order = rows[np.argsort(batch.lengths[rows], kind="stable")]
-    out = []
-    for start in range(0, len(order), size):
-        rows = order[start : start + size]
-        width = int(batch.lengths[rows].max())
-        out.append((batch.input_ids[rows, :width], batch.mask[rows, :width]))
-    return out
+    """The first ``limit`` rows (file order), in batches by length."""
+    return length_batches(batch.input_ids, batch.mask, np.arange(len(batch))[:limit], size)
 
 
 def encode(encoder, parts, attention) -> tuple[np.ndarray, float]:

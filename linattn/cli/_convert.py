@@ -14,7 +14,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -42,20 +41,10 @@ def read_texts(path: Path) -> list[str]:
     return texts
 
 
-def _batches(tokens: Any, rows: np.ndarray, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    order = rows[np.argsort(tokens.lengths[rows], kind="stable")]
-    out = []
-    for start in range(0, len(order), size):
-        chosen = order[start : start + size]
-        width = int(tokens.lengths[chosen].max())
-        out.append((tokens.input_ids[chosen, :width], tokens.key_mask[chosen, :width]))
-    return out
-
-
 def convert(args: argparse.Namespace) -> int:
     """Fit, save, and print a per-layer table (validation errors)."""
     from linattn.models import ModelUnavailable, load_model
-    from linattn.models.convert import convert_encoder, save_fitted
+    from linattn.models.convert import convert_encoder, length_batches, save_fitted
 
     texts = read_texts(args.texts)
     try:
@@ -75,8 +64,8 @@ def convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     done = convert_encoder(
         model.encoder,
-        _batches(tokens, index[~validation], args.batch_size),
-        _batches(tokens, index[validation], args.batch_size),
+        length_batches(tokens.input_ids, tokens.key_mask, index[~validation], args.batch_size),
+        length_batches(tokens.input_ids, tokens.key_mask, index[validation], args.batch_size),
         window=args.window,
         sink_keys=1,
         num_features=args.num_features,

@@ -57,6 +57,28 @@ def model_fingerprint(encoder: BertEncoder) -> str:
     return digest.hexdigest()[:16]
 
 
+def length_batches(
+    input_ids: np.ndarray, key_mask: np.ndarray, rows: np.ndarray, size: int
+) -> list[Batch]:
+    """``rows`` in batches of ``size`` by length, each cut to its longest row (little
+    padding to compute on): the calibration batches :func:`convert_encoder` takes.
+
+    Examples
+    --------
+    >>> ids, mask = np.ones((3, 5), dtype=int), np.arange(5) < np.array([[2], [5], [3]])
+    >>> [b[0].shape for b in length_batches(ids, mask, np.arange(3), 2)]
+    [(2, 3), (1, 5)]
+    """
+    lengths = np.asarray(key_mask).sum(axis=1)
+    order = np.asarray(rows)[np.argsort(lengths[rows], kind="stable")]
+    out = []
+    for start in range(0, len(order), size):
+        chosen = order[start : start + size]
+        width = int(lengths[chosen].max())
+        out.append((input_ids[chosen, :width], key_mask[chosen, :width]))
+    return out
+
+
 def sep_mask(key_mask: np.ndarray) -> np.ndarray:
     """``(B, L)``: each row's last real token (``[SEP]``)."""
     exact = np.zeros(key_mask.shape, dtype=bool)
