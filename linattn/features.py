@@ -288,6 +288,13 @@ class FeatureMap:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         _LIVE[fields["_fingerprint"]] = self
+        if parameters is not None and not np.all(parameters.far_weight == 1.0):
+            # Made here, on the host: a call (maybe traced by torch.compile) only looks up.
+            ones = np.ones_like(parameters.far_weight)
+            ones.setflags(write=False)
+            self._grouped_maps["far"] = self._replace(
+                parameters=parameters._replace(far_weight=ones)
+            )
 
     def _fields(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`_assign` that rebuild this map."""
@@ -487,14 +494,7 @@ class FeatureMap:
         log-features to its float spacing (about ``1e-3`` in float32).  Only the features
         come from it: states keep the map's own fingerprint.
         """
-        p = self._parameters
-        if p is None or bool(np.all(p.far_weight == 1.0)):
-            return self
-        if "far" not in self._grouped_maps:
-            ones = np.ones_like(p.far_weight)
-            ones.setflags(write=False)
-            self._grouped_maps["far"] = self._replace(parameters=p._replace(far_weight=ones))
-        return self._grouped_maps["far"]
+        return self._grouped_maps.get("far", self)  # (made by _assign)
 
     def redraw(self, *, seed: int | None = None) -> FeatureMap:
         """A new map of the same kind, size and scale with a freshly drawn projection.

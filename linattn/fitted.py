@@ -311,8 +311,7 @@ def projection(xp: Namespace, p: FittedParameters, x: Array, role: object) -> Ar
 def log_far_weight(p: FittedParameters) -> np.ndarray:
     """``log g`` with :data:`ZERO_FAR_LOG` for ``g = 0``."""
     g = p.far_weight
-    with np.errstate(divide="ignore"):
-        return np.where(g > 0, np.log(np.where(g > 0, g, 1.0)), ZERO_FAR_LOG)
+    return np.where(g > 0, np.log(np.where(g > 0, g, 1.0)), ZERO_FAR_LOG)
 
 
 def far_log_shift(xp: Namespace, p: FittedParameters, x: Array) -> Array | float:

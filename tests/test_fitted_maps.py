@@ -519,3 +519,18 @@ def test_attention_vjp_parameters_match_finite_differences() -> None:
             np.testing.assert_allclose(got[name], expected, rtol=1e-7, atol=1e-8, err_msg=name)
     with pytest.raises(ValueError, match="parameters=True needs a fitted feature map"):
         la.linear_attention_vjp(q, k, v, la.FeatureMap(D, 8), grad, parameters=True)
+
+
+def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    fm = _map(rng, 2, 2, np.array([0.5, 2.0]))  # log g traced with the features
+    q, k, v = (torch.tensor(a) for a in _inputs(rng, 2, 2))
+    for options in ({"causal": True}, {"window": 3, "sink_keys": 1}):
+
+        def call(q, k, v, options=options):  # type: ignore[no-untyped-def]
+            return la.linear_attention(q, k, v, fm, **options)
+
+        assert torch._dynamo.explain(call)(q, k, v).graph_break_count == 0
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        _close(compiled(q, k, v).numpy(), call(q, k, v).numpy(), 1e-12)
