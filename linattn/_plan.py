@@ -192,13 +192,18 @@ def _hybrid_global_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
         return "no exact keys"
     if call.feature_map is not None and call.feature_map.needs_calibration:
         return "the map needs this call's statistics"
-    return _fused_far_keys_why_not(call, scan)
+    return _fused_far_keys_why_not(call, scan, fitted=False)
 
 
-def _fused_far_keys_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """The far keys in the one-pass hybrid kernels: NumPy, a map they compute."""
+def _fused_far_keys_why_not(
+    call: Call, scan: _dispatch.Plan, *, fitted: bool = True
+) -> str | None:
+    """The far keys in the one-pass hybrid kernels: NumPy, a map they compute or (the
+    window kernels, ``fitted``) a fitted map, whose log-features they are given."""
     if call.feature_map is None:
         return "no feature map (exact sparse attention merges its parts)"
+    if fitted and call.feature_map.parameters is not None:
+        return _dispatch.hybrid_kernel_why_not(call.q)
     if not scan.fused:
         return f"no fused pass: {scan.reason}"
     return _dispatch.hybrid_kernel_why_not(call.q)

@@ -323,6 +323,26 @@ def far_log_shift(xp: Namespace, p: FittedParameters, x: Array) -> Array | float
     return _moved(xp, shaped, x)
 
 
+def kernel_parameters(p: FittedParameters, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """The parameters as the compiled hybrid kernels take them, for inputs of ``shape``
+    ``(..., L, d)``: each broadcast to the batch axes ``shape[:-2]`` (weights ``(..., d,
+    m/2)``, biases ``(..., m/2)``, ``key_shift`` ``(...)``, the key heads' ``log g``);
+    heads that do not meet ``shape`` raise as :func:`log_features` does."""
+    like = np.broadcast_to(np.empty((), dtype=bool), shape)
+    batch = tuple(shape[:-2])
+    out: dict[str, np.ndarray] = {}
+    for role in ("query", "key"):
+        w, b = p.role(role)
+        w = _per_head(w, like, f"{role}_weight", vector=False)
+        b = _per_head(b, like, f"{role}_bias", vector=True)  # (heads..., 1, m/2) or (m/2,)
+        out[f"{role}_weight"] = np.broadcast_to(w, (*batch, *w.shape[-2:]))
+        b = b.reshape((*tuple(b.shape)[:-2], b.shape[-1]))  # the unit L axis dropped
+        out[f"{role}_bias"] = np.broadcast_to(b, (*batch, b.shape[-1]))
+    shift = _per_head(log_far_weight(p)[..., None], like, "far_weight", vector=True)
+    out["key_shift"] = np.broadcast_to(shift.reshape(tuple(shift.shape)[:-2]), batch)
+    return out
+
+
 def log_softmax_pairs(xp: Namespace, u: Array) -> Array:
     """``[u, -u] - logsumexp([u, -u])`` over the last axis."""
     z = xp.concat([u, -u], axis=-1)

@@ -126,11 +126,12 @@ def test_numpy_paths_match_the_dense_reference() -> None:
                     sparse = la.linear_attention(q, k, v, None, causal=causal, **options)
                     rows = slice(head * group, (head + 1) * group)
                     _close(out[:, rows], sparse[:, rows], 1e-12)
-    assert {"portable", "hybrid-parts"} <= executors
     # Without the kernels (numba absent, or $LINATTN_BACKEND=array_api) every scan is
-    # the array API's.
+    # the array API's; with them, the one-pass hybrid kernels compute the fitted features.
     kernels = _dispatch.numpy_kernels_why_not() is None
     assert ({"numba-cpu", "array-api"} if kernels else {"array-api"}) <= scans
+    fused = {"hybrid-causal-fused", "hybrid-window-fused"}
+    assert ({"portable", *fused} if kernels else {"portable", "hybrid-parts"}) <= executors
 
 
 def test_float32_plain_attention_with_a_zero_far_weight() -> None:
@@ -150,8 +151,9 @@ def test_float32_plain_attention_with_a_zero_far_weight() -> None:
 
 
 def test_fused_paths_say_why_not() -> None:
-    """The fused kernels compute random features themselves: a fitted map goes to the
-    paths that take log-features (the plan says so; nothing runs wrong)."""
+    """The fused passes without exact parts and the decoding kernel compute random
+    features themselves: a fitted map goes to the paths that take log-features (the plan
+    says so; nothing runs wrong).  The one-pass hybrid kernels take it (the test above)."""
     why_not = _dispatch.numpy_kernels_why_not()
     if why_not is not None:
         pytest.skip(f"no compiled kernels here: {why_not}")
@@ -479,6 +481,19 @@ def test_errors_name_the_argument() -> None:
         la.FeatureMap(D, 7, kind="hedgehog")
     with pytest.raises(ValueError, match="no random draw to redraw"):
         fm.redraw()
+    if _dispatch.numpy_kernels_why_not() is None:  # the kernel's own entry point
+        from linattn.fitted import kernel_parameters
+        from linattn_numba.cpu import hybrid
+
+        params = kernel_parameters(fm.parameters, (1, 4, 5, D))
+        params["key_bias"] = params["key_bias"][..., :2]
+        x4 = rng.normal(size=(1, 4, 5, D))
+        sinks = np.zeros((1, 4, 0, D)), np.zeros((1, 4, 0, D)), np.zeros((1, 4, 5, 0), bool)
+        with pytest.raises(ValueError, match=r"fitted\['key_bias'\] must have shape \(1, 4, 3\)"):
+            hybrid.bidirectional_forward(
+                x4, x4, x4, np.ones((1, 4, 5), bool), 2, 0.5, *sinks, np.zeros((0, D)),
+                hyperbolic=False, chunk_size=4, fitted=params,
+            )  # fmt: skip
 
 
 # -- 7. parameter cotangents of attention ------------------------------------------------

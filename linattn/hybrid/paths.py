@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from linattn import _dispatch
+from linattn import _dispatch, fitted
 from linattn._adjoints import normalise_vjp
 from linattn._xp import Array, Namespace, safe_shift
 from linattn.hybrid.merge import merge
@@ -57,7 +57,7 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
         recent, recent_values = (
             zero_rows(xp, (*batch, 0, x.shape[-1]), x) for x in (part.k, part.v)
         )
-    projection, hyperbolic = _dispatch.fused_map_arrays(part.feature_map)
+    projection, hyperbolic, fitted_arrays = _far_map_arrays(xp, part, batch)
     m = part.feature_map.num_features
     out, kv, log_shift = kernel.causal_forward(
         part.q,
@@ -72,6 +72,7 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
         kv=xp.broadcast_to(part.kv, (*batch, m, dv + 1)),
         log_shift=xp.broadcast_to(part.log_shift, (*batch, m)),
         chunk_size=part.chunk_size,
+        fitted=fitted_arrays,
     )
     return out, {"kv": kv, "log_shift": log_shift}
 
@@ -84,7 +85,7 @@ def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array:
     kernel = _dispatch.hybrid_kernel_for(part.q)
     batch = tuple(part.q.shape[:-2])
     length = part.q.shape[-2]
-    projection, hyperbolic = _dispatch.fused_map_arrays(part.feature_map)
+    projection, hyperbolic, fitted_arrays = _far_map_arrays(xp, part, batch)
     return kernel.bidirectional_forward(
         part.q,
         *(xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (part.k, part.v)),
@@ -95,7 +96,24 @@ def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array:
         projection,
         hyperbolic=hyperbolic,
         chunk_size=part.chunk_size,
+        fitted=fitted_arrays,
     )
+
+
+def _far_map_arrays(
+    xp: Namespace, part: FarPart, batch: tuple[int, ...]
+) -> tuple[Array, bool, dict[str, Array] | None]:
+    """``(projection, hyperbolic, fitted)`` of the one-pass kernels' far part: a random
+    map's projection, or a fitted map's parameters broadcast to ``batch`` (in the
+    queries' dtype; the kernels compute its features per block) and an empty projection.
+    """
+    fm = part.feature_map
+    if fm.parameters is None:
+        return (*_dispatch.fused_map_arrays(fm), None)
+    shape = (*batch, *part.q.shape[-2:])
+    arrays = fitted.kernel_parameters(fm.parameters, shape)
+    fitted_arrays = {name: xp.astype(xp.asarray(x), part.q.dtype) for name, x in arrays.items()}
+    return zero_rows(xp, (0, part.q.shape[-1]), part.q), False, fitted_arrays
 
 
 def fused_global_parts(xp: Namespace, found: list[Part]) -> Array:

@@ -3,7 +3,9 @@
 ``l(x) = s^(1/2) P x - s |x|^2 / 2 - log(m) / 2`` (``"positive"``; ``"hyperbolic"`` has
 both signs of the projection), computed :data:`FEATURE_BLOCK` tokens at a time by the
 fused causal, bidirectional, hybrid and decoding passes (``docs/algorithm.md``, section
-"Feature maps").  Scalar loops and BLAS products only: no policy.
+"Feature maps"); a fitted map's ``l(x) = [u, -u] - logsumexp([u, -u]) + c``, ``u = x W +
+b`` (:func:`fitted_log_features`, the one-pass hybrid kernels).  Scalar loops and BLAS
+products only: no policy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "LANES",
     "exp_row",
     "features_vjp",
+    "fitted_log_features",
     "key_block",
     "key_factors",
     "log_features",
@@ -75,6 +78,31 @@ def log_features(x, projection, consts, hyperbolic, proj, out):
         for r in range(rows):
             out[i, r] = target[i, r] - offset
             out[i, rows + r] = -target[i, r] - offset
+
+
+@_jit()
+def fitted_log_features(x, weight, bias, shift, proj, out):
+    """``linattn.fitted.log_features`` of one block: ``l(x) = [u, -u] - logsumexp([u,
+    -u]) + shift``, ``u = x W + b`` (``weight`` ``(d, n)``, ``bias`` ``(n,)``, ``out``
+    ``(c, 2 n)``, ``proj`` ``(c, n)`` scratch; ``shift`` is a key head's ``log g``, 0
+    for queries).  ``logsumexp`` is shifted by ``max |u|``; NaN inputs stay NaN.
+    """
+    c = x.shape[0]
+    n = weight.shape[1]
+    np.dot(x, weight, proj)
+    for i in range(c):
+        top = proj[i, 0] - proj[i, 0]
+        for r in range(n):
+            u = proj[i, r] + bias[r]
+            proj[i, r] = u
+            top = max(top, abs(u))
+        total = top - top
+        for r in range(n):
+            total += fast_exp(proj[i, r] - top) + fast_exp(-proj[i, r] - top)
+        offset = top + np.log(total) - shift
+        for r in range(n):
+            out[i, r] = proj[i, r] - offset
+            out[i, n + r] = -proj[i, r] - offset
 
 
 #: The fused pass computes features for this many tokens at a time (whole chunks): the

@@ -60,7 +60,7 @@ from linattn_numba import _contract, _machinery
 from linattn_numba.cpu.arrays import DTYPES, chunk_length, contiguous, readonly, without_empty_rows
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
 from linattn_numba.cpu.exact import exact_chunk, exact_rows, in_band, merge_into
-from linattn_numba.cpu.features import FEATURE_BLOCK, log_features
+from linattn_numba.cpu.features import FEATURE_BLOCK, fitted_log_features, log_features
 
 __all__ = ["BLOCKED_SPAN", "bidirectional_forward", "causal_forward"]
 
@@ -110,13 +110,15 @@ def _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, prese
 @_machinery.Variants
 def _forward(
     q, k, v, keep, recent, recent_values, sinks, sink_values, visible, projection, consts,
-    window_consts, hyperbolic, kv, mu, later_kv, later_mu, chunk, lag, back, ahead,
-    bidirectional, out,
+    window_consts, hyperbolic, fitted, fitted_weights, fitted_biases, key_shift, kv, mu, later_kv,
+    later_mu, chunk, lag, back, ahead, bidirectional, out,
 ):  # fmt: skip
     """All heads.  Causal: one forward scan of the far keys (lag ``lag``) and the exact
     window ``[t - back, t + ahead]``.  Bidirectional: first a reverse scan of the keys
     ``j >= t + lag`` (from the state ``later_kv``, ``later_mu``) into per-query rows, then
-    the forward scan, which merges them."""
+    the forward scan, which merges them.  ``fitted``: the far part's features are a
+    fitted map's, row ``b``'s query and key parameters ``fitted_weights[b, 0 | 1]``,
+    ``fitted_biases[b, 0 | 1]`` and its key head's ``log g``, ``key_shift[b]``."""
     batch, length, d = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
@@ -128,6 +130,7 @@ def _forward(
     for b in prange(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, dv + 1, dtype)
         proj = np.empty((block_rows if hyperbolic else 0, rows), dtype)
+        fitted_proj = np.empty((block_rows if fitted else 0, m // 2), dtype)
         lq = np.empty((block_rows, m), dtype)
         lk = np.empty((block_rows, m), dtype)
         qx = np.empty((block_rows if bidirectional else 0, d), dtype)
@@ -160,8 +163,14 @@ def _forward(
                 n = s1 - s0
                 _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, present)
                 queries = qx[:n] if reverse else qb[s0:s1]
-                log_features(queries, projection, consts, hyperbolic, proj[:n], lq[:n])
-                log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
+                if fitted:
+                    fw, fb, shift = fitted_weights[b], fitted_biases[b], key_shift[b]
+                    fp = fitted_proj
+                    fitted_log_features(queries, fw[0], fb[0], shift - shift, fp[:n], lq[:n])
+                    fitted_log_features(kx[:n], fw[1], fb[1], shift, fp[:n], lk[:n])
+                else:
+                    log_features(queries, projection, consts, hyperbolic, proj[:n], lq[:n])
+                    log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
                 for i in range(n):
                     if not present[i]:
                         for r in range(m):
@@ -257,10 +266,37 @@ def _check_projection(
         )
 
 
+#: A fitted map's parameters as the kernels take them: name -> trailing shape.
+_FITTED = ("query_weight", "key_weight", "query_bias", "key_bias", "key_shift")
+
+
+def _check_fitted(
+    fitted: Any, batch: tuple[int, ...], d: int, m: int | None, dtype: np.dtype
+) -> int:
+    """``fitted``'s arrays: NumPy, ``dtype``, shapes ``batch`` + the parameter's; the
+    number of features ``m`` (given, or ``None``: twice ``query_weight``'s columns)."""
+    if not isinstance(fitted, dict) or set(fitted) != set(_FITTED):
+        raise TypeError(f"fitted must be a dict with keys {_FITTED}; got {fitted!r:.80}")
+    named = {name: fitted[name] for name in _FITTED}
+    _check({"q": np.empty(0, dtype), **named})
+    if m is None:
+        m = 2 * int(named["query_weight"].shape[-1]) if named["query_weight"].ndim else 0
+    half = m // 2
+    tails = {"query_weight": (d, half), "key_weight": (d, half), "query_bias": (half,),
+             "key_bias": (half,), "key_shift": ()}  # fmt: skip
+    for name, tail in tails.items():
+        if m % 2 or tuple(named[name].shape) != (*batch, *tail):
+            raise ValueError(
+                f"fitted[{name!r}] must have shape {(*batch, *tail)} for m = {m} features; "
+                f"got {tuple(named[name].shape)}"
+            )
+    return m
+
+
 def _launch(
     arrays: dict[str, np.ndarray], projection: np.ndarray, scale: float, hyperbolic: bool,
     kv: np.ndarray, mu: np.ndarray, later: tuple[np.ndarray, np.ndarray] | None, chunk_size: int,
-    lag: int, back: int, ahead: int,
+    lag: int, back: int, ahead: int, fitted: dict[str, np.ndarray] | None = None,
 ) -> np.ndarray:  # fmt: skip
     """Run :func:`_forward` on arrays flattened to one batch axis; the outputs."""
     q, v = arrays["q"], arrays["v"]
@@ -282,12 +318,24 @@ def _launch(
     work = m * (dv + 1) * (2 if later is not None else 1) + span * (d + dv)
     if later is None:
         later = np.empty((n, 0, dv + 1), dtype), np.empty((n, 0), dtype)
+    parameters: tuple[np.ndarray, ...]
+    if fitted is None:
+        parameters = (np.empty((*batch, 2, 0, 0), dtype), np.empty((*batch, 2, 0), dtype),
+                      np.empty(batch, dtype))  # fmt: skip
+    else:
+        parameters = (
+            np.stack([fitted["query_weight"], fitted["key_weight"]], axis=-3),
+            np.stack([fitted["query_bias"], fitted["key_bias"]], axis=-2),
+            fitted["key_shift"],
+        )
+    parameters = tuple(contiguous(x, (n, *x.shape[len(batch) :]), dtype) for x in parameters)
     with _machinery.single_threaded_blas():
         _forward.run(
             _machinery.choose_variant(n, length, work),
             flat("q", 2), flat("k", 2), flat("v", 2), flat("keep", 1), flat("recent", 2),
             flat("recent_values", 2), flat("sinks", 2), flat("sink_values", 2),
             flat("visible", 2), scaled_projection, consts, window_consts, bool(hyperbolic),
+            fitted is not None, *parameters,
             kv, mu, *later, chunk, lag, back, ahead, later[0].shape[1] > 0, out,
         )  # fmt: skip
     return out.reshape((*batch, length, dv))
@@ -311,6 +359,7 @@ def causal_forward(
     kv: np.ndarray,
     log_shift: np.ndarray,
     chunk_size: int,
+    fitted: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Normalised causal hybrid attention and the far keys' state after the call.
 
@@ -338,6 +387,13 @@ def causal_forward(
         The far keys' state before the call, ``(..., m, d_v + 1)`` and ``(..., m)``.
     chunk_size : int
         Tokens per chunk of the far part's causal pass.
+    fitted : dict of numpy.ndarray, optional
+        A fitted map's parameters (:mod:`linattn.fitted`), broadcast to the batch axes:
+        ``query_weight`` and ``key_weight`` ``(..., d, m/2)``, ``query_bias`` and
+        ``key_bias`` ``(..., m/2)``, ``key_shift`` ``(...)`` (the key head's ``log g``).
+        The far part's features are then ``[u, -u] - logsumexp([u, -u])`` (plus
+        ``key_shift`` for keys), ``u = x W + b``, computed per block as random ones
+        are; ``projection`` and ``hyperbolic`` are not used.
 
     Returns
     -------
@@ -368,7 +424,10 @@ def causal_forward(
     *batch, length, d = q.shape
     dv = v.shape[-1]
     m = kv.shape[-2]
-    _check_projection(projection, q, m, hyperbolic, kv.shape)
+    if fitted is None:
+        _check_projection(projection, q, m, hyperbolic, kv.shape)
+    else:
+        _check_fitted(fitted, tuple(batch), d, m, dtype)
     expected = {
         **_shapes(q, v, sinks),
         "keep": (*batch, span + length),
@@ -383,7 +442,7 @@ def causal_forward(
     state = without_empty_rows(np.array(kv, dtype=dtype).reshape((n, m, dv + 1)), mu)
     out = _launch(
         named, projection, scale, hyperbolic, state, mu, None, chunk_size, span,
-        span - 1, 0,
+        span - 1, 0, fitted,
     )  # fmt: skip
     return out, state.reshape((*batch, m, dv + 1)), mu.reshape((*batch, m))
 
@@ -402,6 +461,7 @@ def bidirectional_forward(
     *,
     hyperbolic: bool,
     chunk_size: int,
+    fitted: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """Normalised bidirectional hybrid attention: exact window, sinks, far keys.
 
@@ -419,7 +479,7 @@ def bidirectional_forward(
         bool ``(..., T)``: which keys take part in the window and the far part.
     window : int
         ``w >= 1``.
-    scale, sinks, sink_values, visible, projection, hyperbolic, chunk_size
+    scale, sinks, sink_values, visible, projection, hyperbolic, chunk_size, fitted
         As in :func:`causal_forward`.
 
     Returns
@@ -446,8 +506,11 @@ def bidirectional_forward(
         raise ValueError(f"window must be a positive integer; got {window}")
     *batch, length, d = q.shape
     dv = v.shape[-1]
-    m = projection.shape[0] * (2 if hyperbolic else 1)
-    _check_projection(projection, q, m, hyperbolic, (*batch, m, dv + 1))
+    if fitted is None:
+        m = projection.shape[0] * (2 if hyperbolic else 1)
+        _check_projection(projection, q, m, hyperbolic, (*batch, m, dv + 1))
+    else:
+        m = _check_fitted(fitted, tuple(batch), d, None, dtype)
     expected = {**_shapes(q, v, sinks), "keep": (*batch, length)}
     _validated(named, expected, scale, f"q {q.shape} and values (..., {dv})")
     n = math.prod(batch)
@@ -457,5 +520,5 @@ def bidirectional_forward(
               "recent_values": np.empty((*batch, 0, dv), dtype)}  # fmt: skip
     return _launch(
         arrays, projection, scale, hyperbolic, *empty, later, chunk_size, window, window - 1,
-        window - 1,
+        window - 1, fitted,
     )  # fmt: skip
