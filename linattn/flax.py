@@ -1,9 +1,10 @@
 """Flax (``flax.nnx``): :class:`FastAttention`, the same attention as an nnx module.
 
 The projection is a :class:`Projection` variable (non-trainable: ``nnx.grad`` over
-``nnx.Param`` leaves it alone), saved with the module's state.  The feature map used
-under ``nnx.jit`` is static data made from it on the host, so jitted calls see a fixed
-draw and only a redraw retraces; the decoding state is a pytree
+``nnx.Param`` leaves it alone), saved with the module's state; a fitted map's parameters
+(``feature_map=``, :mod:`linattn.fitted`) are :class:`FittedParameter` variables likewise.
+The feature map used under ``nnx.jit`` is static data made from it on the host, so
+jitted calls see a fixed draw and only a redraw retraces; the decoding state is a pytree
 (:class:`linattn.LinearAttentionState`), so it passes in and out of jitted functions.
 Importing :mod:`linattn` never imports this module (or JAX, or Flax).
 """
@@ -16,24 +17,34 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from linattn._gqa import grouped
+from linattn._call import hybrid_options
+from linattn._layer_maps import fitted_template
 from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap, Kind
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState
 
-__all__ = ["FastAttention", "Projection"]
+__all__ = ["FastAttention", "FittedParameter", "Projection"]
+
+#: A fitted map's parameters, one variable each (``key_*`` absent for tied maps).
+FITTED = ("query_weight", "query_bias", "key_weight", "key_bias", "far_weight")
 
 
 class Projection(nnx.Variable):
     """A random-feature projection: state of the module, never a trainable parameter."""
 
 
+class FittedParameter(nnx.Variable):
+    """A fitted map's parameter (:mod:`linattn.transfer` fits it with the model frozen):
+    state of the module, never a trainable parameter."""
+
+
 class FastAttention(nnx.Module):
     """Random-feature attention on ``(B, H, L, d)`` arrays (grouped key heads allowed).
 
-    Parameters are those of :class:`linattn.torch.FastAttention` without the redraw
-    schedule: call :meth:`redraw_projection` between (jitted) steps to redraw.
+    Parameters are those of :class:`linattn.torch.FastAttention` (``feature_map=`` a
+    fitted map, ``window`` and ``sink_keys`` included) without the redraw schedule: call
+    :meth:`redraw_projection` between (jitted) steps to redraw.
 
     Examples
     --------
@@ -43,15 +54,26 @@ class FastAttention(nnx.Module):
     >>> x = jnp.ones((1, 2, 5, 8))
     >>> attention(x, x, x).shape
     (1, 2, 5, 8)
+
+    A fitted map, one per head, with a window and a sink:
+
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> fm = la.FeatureMap.fitted(np.zeros((2, 8, 4)), tied=True, far_weight=0.5)
+    >>> FastAttention(8, feature_map=fm, window=2, sink_keys=1)(x, x, x).shape
+    (1, 2, 5, 8)
     """
 
     def __init__(
         self,
         head_dim: int,
-        num_features: int = 256,
+        num_features: int | None = None,
         *,
         kind: Kind | None = None,
+        feature_map: FeatureMap | None = None,
         causal: bool = False,
+        window: int | None = None,
+        sink_keys: int = 0,
         seed: int = 0,
         orthogonal: bool = True,
         scale: float | None = None,
@@ -60,20 +82,28 @@ class FastAttention(nnx.Module):
     ) -> None:
         kind = kind if kind is not None else ("hyperbolic" if causal else "hyperbolic_oprf")
         rebalance = (not causal) if rebalance is None else rebalance
-        self.feature_map = FeatureMap(
-            head_dim,
-            num_features,
-            kind=kind,
-            orthogonal=orthogonal,
-            scale=scale,
-            seed=seed,
-            rebalance=rebalance and KINDS[kind][0],
-        )
+        if feature_map is not None:
+            self.feature_map = fitted_template(feature_map, head_dim, num_features, None)
+        else:
+            self.feature_map = FeatureMap(
+                head_dim,
+                256 if num_features is None else num_features,
+                kind=kind,
+                orthogonal=orthogonal,
+                scale=scale,
+                seed=seed,
+                rebalance=rebalance and KINDS[kind][0],
+            )
         self.causal, self.seed, self.chunk_size, self.draws = causal, seed, chunk_size, 0
+        self.hybrid = hybrid_options(window=window, sink_keys=sink_keys)
         projection = self.feature_map.projection
         self.projection = Projection(
             jnp.zeros((0, head_dim)) if projection is None else jnp.asarray(projection)
         )
+        parameters = self.feature_map.parameters
+        self.fitted = parameters is not None
+        for name, value in ({} if parameters is None else parameters.arrays()).items():
+            setattr(self, name, FittedParameter(jnp.asarray(value)))
 
     def __call__(
         self,
@@ -88,7 +118,6 @@ class FastAttention(nnx.Module):
         broadcasting against ``(B, H, L_k)``)."""
         if key_mask is not None and key_mask.ndim == 2 and q.ndim == 4:
             key_mask = key_mask[:, None, :]
-        q, k, v, key_mask, ungroup = grouped(q, k, v, key_mask)
         result = linear_attention(
             q,
             k,
@@ -99,11 +128,9 @@ class FastAttention(nnx.Module):
             state=state,
             return_state=return_state,
             chunk_size=self.chunk_size,
+            **self.hybrid,
         )
-        if return_state:
-            out, new_state = result
-            return ungroup(out), new_state
-        return ungroup(result)
+        return result
 
     def redraw_projection(self) -> None:
         """Draw the next projection, from ``seed + draws + 1`` (host code: not under jit)."""
@@ -121,8 +148,17 @@ class FastAttention(nnx.Module):
         self.sync_projection()
 
     def sync_projection(self) -> None:
-        """Rebuild the feature map from the variable (after restoring a checkpoint)."""
+        """Rebuild the feature map from the variables (after restoring a checkpoint)."""
         fm = self.feature_map
+        if self.fitted:
+            host = {
+                name: np.asarray(getattr(self, name).get_value(), dtype=np.float64)
+                for name in FITTED
+                if hasattr(self, name)
+            }
+            tied = "key_weight" not in host
+            self.feature_map = FeatureMap.fitted(**host, tied=tied, scale=fm.scale)
+            return
         if fm.projection is None:
             return
         adopted = FeatureMap.from_projection(

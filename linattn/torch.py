@@ -6,6 +6,8 @@ The layers only wire projections, masks and the feature schedule to
 projection is a registered buffer, so it is saved in ``state_dict``, moved by
 ``.to(device)`` and broadcast by DistributedDataParallel; redraws are seeded from
 ``seed`` plus a draw counter (also a buffer), so every rank draws the same matrix.
+A fitted map's parameters (``feature_map=``, :mod:`linattn.fitted`) are buffers likewise:
+fitted by :mod:`linattn.transfer` with the model frozen, not trained by the layer.
 Importing :mod:`linattn` never imports this module (or torch).
 """
 
@@ -20,7 +22,7 @@ from torch.nn import functional
 
 from linattn._call import hybrid_options
 from linattn._dispatch import Backend
-from linattn._gqa import grouped
+from linattn._layer_maps import fitted_template
 from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap, Kind
 from linattn.projections import Norms, gaussian_projection
@@ -31,6 +33,9 @@ __all__ = ["FastAttention", "MultiheadAttention"]
 #: The hybrid's options (:mod:`linattn.hybrid`), passed to :func:`linattn.linear_attention`.
 HYBRID_OPTIONS = ("window", "sink_keys")
 
+#: A fitted map's parameters, one buffer each (``key_*`` are ``None`` for tied maps).
+FITTED_BUFFERS = ("query_weight", "query_bias", "key_weight", "key_bias", "far_weight")
+
 
 class FastAttention(nn.Module):
     """Random-feature attention on ``(B, H, L, d)`` tensors, with a redraw schedule.
@@ -39,11 +44,17 @@ class FastAttention(nn.Module):
     ----------
     head_dim : int
         Dimension ``d`` of queries and keys.
-    num_features : int, default 256
-        Random features ``m``.
+    num_features : int, optional
+        Random features ``m`` (default 256; a fitted map's own).
     kind : str, optional
         Feature kind (:class:`linattn.FeatureMap`); default ``"hyperbolic"`` for causal
         and ``"hyperbolic_oprf"`` (statistics from each call) for bidirectional attention.
+        ``"hedgehog"`` makes a fitted map at its identity start.
+    feature_map : FeatureMap, optional
+        A fitted map (:meth:`linattn.FeatureMap.fitted`, :func:`linattn.transfer.load_maps`):
+        its parameters become buffers (``query_weight``, ``query_bias``, ``key_weight``,
+        ``key_bias``, ``far_weight``; the keys' absent when tied), saved in ``state_dict``
+        and loaded back.  Per-head parameters need inputs with that many heads.
     causal : bool, default False
         Query ``i`` attends to keys ``j <= i``.
     window, sink_keys : optional
@@ -70,6 +81,15 @@ class FastAttention(nn.Module):
     torch.Size([2, 4, 32, 16])
     >>> sorted(attention.state_dict())
     ['draws', 'forward_calls', 'projection']
+
+    A fitted map, one per head, with a window and a sink:
+
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> fm = la.FeatureMap.fitted(np.zeros((4, 16, 8)), tied=True, far_weight=0.5)
+    >>> fitted = FastAttention(16, feature_map=fm, causal=True, window=4, sink_keys=1)
+    >>> fitted(q, k, v).shape, sorted(fitted.state_dict())[:3]
+    (torch.Size([2, 4, 32, 16]), ['draws', 'far_weight', 'forward_calls'])
     """
 
     projection: torch.Tensor | None
@@ -79,9 +99,10 @@ class FastAttention(nn.Module):
     def __init__(
         self,
         head_dim: int,
-        num_features: int = 256,
+        num_features: int | None = None,
         *,
         kind: Kind | None = None,
+        feature_map: FeatureMap | None = None,
         causal: bool = False,
         window: int | None = None,
         sink_keys: int = 0,
@@ -106,17 +127,22 @@ class FastAttention(nn.Module):
             )
         kind = kind if kind is not None else ("hyperbolic" if causal else "hyperbolic_oprf")
         rebalance = (not causal) if rebalance is None else rebalance
-        # The map checks every option; its projection becomes the buffer.
-        template = FeatureMap(
-            head_dim,
-            num_features,
-            kind=kind,
-            orthogonal=orthogonal,
-            norms=norms,
-            scale=scale,
-            seed=seed,
-            rebalance=rebalance and KINDS[kind][0],
-        )
+        if feature_map is not None:
+            template = fitted_template(feature_map, head_dim, num_features, redraw_interval)
+            kind, num_features, rebalance = "hedgehog", template.num_features, False
+        else:
+            # The map checks every option; its projection becomes the buffer.
+            template = FeatureMap(
+                head_dim,
+                256 if num_features is None else num_features,
+                kind=kind,
+                orthogonal=orthogonal,
+                norms=norms,
+                scale=scale,
+                seed=seed,
+                rebalance=rebalance and KINDS[kind][0],
+            )
+            num_features = template.num_features
         self.head_dim, self.num_features, self.kind = head_dim, num_features, kind
         self.causal, self.seed, self.redraw_interval = causal, seed, redraw_interval
         self.orthogonal, self.norms, self.scale = orthogonal, norms, template.scale
@@ -129,6 +155,12 @@ class FastAttention(nn.Module):
         )
         self.register_buffer("forward_calls", torch.zeros((), dtype=torch.int64))
         self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
+        parameters = template.parameters
+        self.fitted = parameters is not None
+        arrays = {} if parameters is None else parameters.arrays()
+        for name in FITTED_BUFFERS if self.fitted else ():
+            value = arrays.get(name)
+            self.register_buffer(name, None if value is None else torch.tensor(value))
         self._feature_map = template
         self._counts = (0, 0)  # host copies of (forward_calls, draws): no device sync per call
         # The map is always one adopted from the buffer, so a redraw changes no static
@@ -208,7 +240,6 @@ class FastAttention(nn.Module):
         """
         if key_mask is not None and key_mask.ndim == 2 and q.ndim == 4:
             key_mask = key_mask[:, None, :]  # (B, L): one mask per sequence
-        q, k, v, key_mask, ungroup = grouped(q, k, v, key_mask)
         with torch.autocast(q.device.type, enabled=False):
             result = linear_attention(
                 q,
@@ -225,17 +256,18 @@ class FastAttention(nn.Module):
             )
         if return_state:
             out, new_state = result
-            return ungroup(out), new_state
-        output: torch.Tensor = ungroup(result)
+            return out, new_state
+        output: torch.Tensor = result
         return output
 
     # -- the schedule, outside any compiled region -----------------------------------
 
     def _buffer_versions(self) -> tuple[Any, ...]:
         """What changes when anyone writes a buffer (load_state_dict, DDP, ``.to``)."""
+        fitted = tuple(getattr(self, name) for name in FITTED_BUFFERS) if self.fitted else ()
         return tuple(
             None if b is None else (b._version, b.data_ptr(), b.dtype, b.device)
-            for b in (self.projection, self.forward_calls, self.draws)
+            for b in (self.projection, self.forward_calls, self.draws, *fitted)
         )
 
     def _sync(self) -> None:
@@ -252,6 +284,21 @@ class FastAttention(nn.Module):
             )
             # from_projection makes unrebalanced maps; the layer's option carries over.
             self._feature_map = adopted._replace(rebalance=self.rebalance)
+        if self.fitted:
+            host = {
+                name: None if b is None else b.detach().to(torch.float64).cpu().numpy()
+                for name in FITTED_BUFFERS
+                for b in [getattr(self, name)]
+            }
+            self._feature_map = FeatureMap.fitted(
+                host["query_weight"],
+                host["query_bias"],
+                key_weight=host["key_weight"],
+                key_bias=host["key_bias"],
+                far_weight=host["far_weight"],
+                tied=host["key_weight"] is None,
+                scale=self.scale,
+            )
         self._seen = self._buffer_versions()
 
     def _set_counts(self, calls: int, draws: int) -> None:

@@ -72,3 +72,31 @@ def test_redraw_and_restore() -> None:
     nnx.update(restored, nnx.state(layer, Projection))
     restored.sync_projection()
     np.testing.assert_array_equal(restored(x, x, x), layer(x, x, x))
+
+
+def test_a_fitted_map_is_state_that_round_trips() -> None:
+    """A fitted map with a window and a sink, under nnx.jit, equals linear_attention; its
+    parameters are FittedParameter variables: another module updated from this one's
+    state (and synced) gives the same output."""
+    from linattn.flax import FittedParameter
+
+    rng = np.random.default_rng(1)
+
+    def fitted(g: object) -> la.FeatureMap:
+        return la.FeatureMap.fitted(
+            rng.normal(size=(H, D, 3)), rng.normal(size=(H, 3)), tied=True, far_weight=g
+        )
+
+    fm = fitted([0.4, 2.0])
+    layer = FastAttention(D, feature_map=fm, causal=True, window=2, sink_keys=1)
+    x = _x()
+    expected = la.linear_attention(np.asarray(x), np.asarray(x), np.asarray(x), fm,
+                                   causal=True, window=2, sink_keys=1)  # fmt: skip
+    run = nnx.jit(lambda module, y: module(y, y, y))
+    np.testing.assert_allclose(np.asarray(run(layer, x)), expected, rtol=1e-5, atol=1e-6)
+    state = nnx.state(layer, FittedParameter)
+    assert sorted(state.keys()) == ["far_weight", "query_bias", "query_weight"]
+    other = FastAttention(D, feature_map=fitted([1.0, 1.0]), causal=True, window=2, sink_keys=1)
+    nnx.update(other, nnx.state(layer))
+    other.sync_projection()
+    np.testing.assert_allclose(np.asarray(run(other, x)), expected, rtol=1e-5, atol=1e-6)

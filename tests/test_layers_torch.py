@@ -288,3 +288,50 @@ def test_multihead_attention_compiles_and_trains() -> None:
     compiled = torch.compile(fast, backend="aot_eager")
     compiled(x, x, x)[0].sum().backward()
     assert fast.in_proj_weight.grad is not None and x.grad is not None
+
+
+def _fitted_map(rng: np.random.Generator, far_weight: object) -> la.FeatureMap:
+    """Per-head query parameters (H = 4) and key parameters for 2 key heads."""
+    return la.FeatureMap.fitted(
+        rng.normal(size=(4, D, 3)), rng.normal(size=(4, 3)),
+        key_weight=rng.normal(size=(2, D, 3)), key_bias=rng.normal(size=(2, 3)),
+        far_weight=far_weight,
+    )  # fmt: skip
+
+
+def test_a_fitted_map_is_buffers_that_round_trip() -> None:
+    """A fitted map (grouped-query heads, window + sink) gives linear_attention's output;
+    its parameters are buffers: a layer built with other values and loaded from the
+    state_dict gives the same output (a differing far weight alone would change it)."""
+    rng = np.random.default_rng(0)
+    fm = _fitted_map(rng, [0.3, 1.2])
+    options = {"causal": True, "window": 3, "sink_keys": 1}
+    layer = FastAttention(D, feature_map=fm, **options)
+    assert sorted(layer.state_dict()) == sorted(
+        ["draws", "forward_calls", "query_weight", "query_bias", "key_weight", "key_bias",
+         "far_weight"]
+    )  # fmt: skip
+    q = torch.randn(B, 4, L, D, dtype=torch.float64)
+    k, v = (
+        torch.randn(B, 2, L, D, dtype=torch.float64),
+        torch.randn(B, 2, L, 5, dtype=torch.float64),
+    )
+    expected = la.linear_attention(q, k, v, fm, **options)
+    torch.testing.assert_close(layer(q, k, v), expected, rtol=1e-12, atol=1e-12)
+    other = FastAttention(D, feature_map=_fitted_map(rng, [1.0, 1.0]), **options)
+    assert not torch.allclose(other(q, k, v), expected)
+    other.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(other(q, k, v), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(other.feature_map.parameters.far_weight, [0.3, 1.2])
+    tied = la.FeatureMap.fitted(rng.normal(size=(D, 3)), tied=True)
+    mha = MultiheadAttention(4 * D, 4, feature_map=tied, window=2, batch_first=True)
+    assert "attention.key_weight" not in mha.state_dict()
+    assert mha(*[torch.randn(B, 5, 4 * D)] * 3)[0].shape == (B, 5, 4 * D)
+    with pytest.raises(TypeError, match=r"feature_map must be a fitted linattn\.FeatureMap"):
+        FastAttention(D, feature_map=la.FeatureMap(D, 16))
+    with pytest.raises(ValueError, match="feature_map has head_dim 8; the layer's head_dim is 4"):
+        FastAttention(4, feature_map=fm)
+    with pytest.raises(ValueError, match="num_features is 16; feature_map has 6"):
+        FastAttention(D, 16, feature_map=fm)
+    with pytest.raises(ValueError, match="redraw_interval must be None with a fitted"):
+        FastAttention(D, feature_map=fm, redraw_interval=2)
