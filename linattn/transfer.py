@@ -178,14 +178,15 @@ def _prepare(
         xp.where(allowed, log_exact, constant(xp, -math.inf, log_exact)), axis=-1, keepdims=True
     )
     top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
-    weights = xp.where(allowed, xp.exp(log_exact - top), xp.zeros_like(log_exact))
+    neg = constant(xp, -math.inf, log_exact)
+    # exp of the masked logits (-inf off the mask): no overflow where nothing is kept
+    weights = xp.exp(xp.where(allowed, log_exact - top, neg))
     total = xp.sum(weights, axis=-1, keepdims=True)
     target = xp.matmul(weights, gv) / xp.where(total > 0, total, xp.ones_like(total))
     rows = xp.astype(key_mask, q.dtype)[:, None, None, :, None]
-    neg = constant(xp, -math.inf, log_exact)
     near_top = xp.max(xp.where(near, log_exact, neg), axis=-1, keepdims=True)
     near_top = xp.where(xp.isfinite(near_top), near_top, xp.zeros_like(near_top))
-    near_weights = xp.where(near, xp.exp(log_exact - near_top), xp.zeros_like(log_exact))
+    near_weights = xp.exp(xp.where(near, log_exact - near_top, neg))
     return _Parts(
         xp, gq, gk, gv, far, xp.astype(far, q.dtype), near_weights, near_top, rows, scale,
         target, gq.shape[2] > 1,

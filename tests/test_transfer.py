@@ -5,6 +5,8 @@ Tiny shapes: the fit's figures on the real model are in benchmarks/transfer_mini
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,19 @@ def test_the_fit_computes_what_linear_attention_computes(causal: bool) -> None:
     np.testing.assert_allclose(
         np.where(rows, out.reshape(ref.shape), 0), np.where(rows, ref, 0), atol=1e-12
     )
+
+
+def test_large_logits_without_exact_parts_warn_of_nothing() -> None:
+    """Fitted maps alone (no window, sinks or exact keys) with logits far beyond exp's
+    float32 range: the exact target and the (empty) near weights are computed without an
+    overflow warning (each exp takes the masked logits, -inf off the mask)."""
+    batch = _batch(2, 2, exact=False, scale=30.0)
+    batch = LayerBatch(*(x.astype(np.float32) for x in batch[:3]), batch.key_mask, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parts = transfer._prepare(batch, None, 0, False, 0.5)
+        out, _ = transfer._forward(_perturbed(2, 2), parts)
+    assert np.isfinite(out).all()
 
 
 def test_fit_beats_window_and_sinks_on_held_out_batches_and_is_deterministic() -> None:
