@@ -57,6 +57,12 @@ __all__ = [
 #: The ``format`` entry of a fitted-maps file's metadata.
 FORMAT = "linattn-fitted-maps/1"
 
+#: A key head keeps its far part only where the fit lowers its relative validation
+#: error (``||out - exact|| / ||exact||``) below window + sinks' by more than this: where
+#: there is nothing to gain (no far keys) both are rounding (1e-16 in float64, 1e-7 in
+#: float32), which must not decide; a fit that helps lowers it by 1e-2 or more.
+MIN_GAIN = 1e-5
+
 
 class LayerBatch(NamedTuple):
     """One calibration batch of one attention layer.
@@ -539,7 +545,9 @@ def _fit_layer(
         best_err = np.where(better[:, None], err, best_err)
         for name, value in values.items():
             _take_heads(best[name], value, better, heads, key_heads, name, tied)
-    exact_only = best_err.sum(axis=1) >= base.sum(axis=1)
+    head_norms = norms.sum(axis=1)
+    gain = np.sqrt(base.sum(axis=1) / head_norms) - np.sqrt(best_err.sum(axis=1) / head_norms)
+    exact_only = ~(gain > MIN_GAIN)
     if window is None and not sink_keys and all(b.exact_key_mask is None for b in validation):
         exact_only[:] = False  # no exact part: g cancels, the map is all there is
     best["log_far_weight"] = np.where(exact_only, -np.inf, best["log_far_weight"])
