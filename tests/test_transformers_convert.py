@@ -12,16 +12,19 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import linattn as la  # noqa: E402
+from linattn.fitted import log_far_weight  # noqa: E402
 from linattn.integrations.transformers import (  # noqa: E402
     LinearAttentionCache,
     convert,
     load_fitted,
+    refine,
     save_fitted,
 )
 from linattn.integrations.transformers_convert import (  # noqa: E402
     layer_errors,
     model_fingerprint,
 )
+from linattn.integrations.transformers_refine import dense_hybrid  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 VOCAB, L, WINDOW, SINKS = 50, 20, 3, 1
@@ -280,3 +283,118 @@ def test_a_failed_conversion_leaves_the_model_as_it_was() -> None:
     assert model.config._attn_implementation == implementation
     assert not getattr(model.config, "linattn", None)
     assert not any("_linattn_fitted" in m.__dict__ for m in model.modules())
+
+
+# -- refine: stitching (c) ------------------------------------------------------------------
+
+
+def _sharpened(name: str) -> torch.nn.Module:
+    """A random model whose query/key projections are 4x larger (peaked attention, as a
+    trained model's: random ones attend almost uniformly, leaving nothing to refine),
+    converted."""
+    model = MODELS[name]()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith(("query.weight", "key.weight", "q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+            if key.endswith("c_attn.weight"):  # GPT-2: [q | k | v] columns
+                p[:, : 2 * p.shape[0]].mul_(4.0)
+    convert(
+        model, [_batch(1), _batch(2)], [_batch(3)], window=WINDOW, sink_keys=SINKS,
+        num_features=8, steps=8, progress=lambda line: None, **OPTIONS[name],
+    )  # fmt: skip
+    return model
+
+
+def _final_error(model: torch.nn.Module, seeds: tuple[int, ...]) -> float:
+    """Relative error of the last hidden state against the exact model's (SDPA), real
+    tokens of the batches ``_batch(seed)``."""
+    error = norm = 0.0
+    for seed in seeds:
+        batch = _batch(seed)
+        rows = batch["attention_mask"].bool()
+        previous = model.config._attn_implementation
+        with torch.no_grad():
+            out = model(**batch, output_hidden_states=True).hidden_states[-1][rows]
+            model.set_attn_implementation("sdpa")
+            try:
+                exact = model(**batch, output_hidden_states=True).hidden_states[-1][rows]
+            finally:
+                model.set_attn_implementation(previous)
+        error += float(((out - exact) ** 2).sum())
+        norm += float((exact**2).sum())
+    return (error / norm) ** 0.5
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_dense_hybrid_refine_fits_is_the_model_path(name: str) -> None:
+    """refine differentiates a dense torch hybrid: it computes what the library runs
+    (window, sinks, [CLS]/[SEP], causality, padding, grouped-query heads, g = 0 heads)."""
+    model, _ = _converted(name)
+    batch = _batch(4)
+    module = next(m for m in model.modules() if "_linattn_fitted" in m.__dict__)
+    p = module._linattn_fitted.parameters
+    far = np.array(p.far_weight, copy=True)
+    far[..., :1] = 0.0  # one head on the exact parts alone
+    maps = {m: m._linattn_fitted for m in model.modules() if "_linattn_fitted" in m.__dict__}
+    for m, fm in maps.items():
+        m.__dict__["_linattn_fitted"] = fm.with_parameters(far_weight=far)
+
+    def dense(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kw):  # type: ignore[no-untyped-def]
+        from linattn.integrations import transformers_convert as tc
+
+        fm = module._linattn_fitted.parameters
+        values = {n: torch.tensor(a) for n, a in fm.arrays().items() if n != "far_weight"}
+        values["log_far_weight"] = torch.tensor(log_far_weight(fm))
+        causal = bool(getattr(module, "is_causal", False))
+        key_mask = batch["attention_mask"].bool()[:, None]
+        exact = None if causal else _first_and_last(batch["attention_mask"])[:, None]
+        call = tc.AttentionCall(
+            module, query.double(), key.double(), value.double(), attention_mask, scaling,
+            is_causal, kw, key_mask, exact, causal,
+        )  # fmt: skip
+        out = dense_hybrid(call, values, window=WINDOW, sink_keys=SINKS)
+        return out.to(query.dtype), None
+
+    try:
+        torch.testing.assert_close(
+            _run_with(model, "dense", dense, batch), _output(model, batch), rtol=1e-5, atol=1e-6
+        )
+    finally:
+        for m, fm in maps.items():
+            m.__dict__["_linattn_fitted"] = fm
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_refine_lowers_the_final_error_and_leaves_the_weights(name: str) -> None:
+    """The last-hidden-state error falls on the fit split and on held-out texts (neither
+    fit saw them), the validation error kept is the lowest measured and below the
+    conversion's, weights and their .grad are untouched, g = 0 heads stay 0."""
+    model = _sharpened(name)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    module = next(m for m in model.modules() if "_linattn_fitted" in m.__dict__)
+    zero = module._linattn_fitted.with_parameters(far_weight=[0.0, 1.0])
+    module.__dict__["_linattn_fitted"] = zero
+    errors = _final_error(model, (1, 2)), _final_error(model, (5, 6, 7))
+    lines: list[str] = []
+    refine(model, [_batch(1), _batch(2)], [_batch(3)], steps=20, learning_rate=1e-2,
+           evaluate_every=5, progress=lines.append)  # fmt: skip
+    after = _final_error(model, (1, 2)), _final_error(model, (5, 6, 7))
+    assert after[0] < errors[0] and after[1] < errors[1], (errors, after)
+    record = model._linattn_conversion["refine"]
+    history = dict(record["validation_error"])
+    assert len(lines) == 4 and history[record["kept_step"]] == min(history.values()) < history[0]
+    assert all(torch.equal(model.state_dict()[key], before[key]) for key in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert module._linattn_fitted.parameters.far_weight[0] == 0.0
+    assert model.config._attn_implementation == "linattn"
+
+
+def test_refine_needs_a_converted_model() -> None:
+    model = _bert()
+    implementation = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"model has no fitted maps: convert"):
+        refine(model, [_batch(1)], [_batch(2)])
+    with pytest.raises(ValueError, match=r"steps must be >= 0 and evaluate_every >= 1"):
+        refine(model, [_batch(1)], [_batch(2)], evaluate_every=0)
+    assert model.config._attn_implementation == implementation

@@ -9,8 +9,10 @@ derived per row from the mask (``exact_keys="special"``: ``[CLS]`` and ``[SEP]``
 :class:`LinearAttentionCache` holds one
 :class:`linattn.LinearAttentionState` per layer and passes only the new tokens on.
 :func:`convert` fits a model's attention (fitted feature maps, weights frozen);
-:func:`save_fitted` and :func:`load_fitted` keep the maps in a file, :func:`layer_errors`
-measures them (:mod:`linattn.integrations.transformers_convert`).  Importing this module makes
+:func:`refine` fits the converted layers' maps together, end to end
+(:mod:`linattn.integrations.transformers_refine`); :func:`save_fitted` and
+:func:`load_fitted` keep the maps in a file, :func:`layer_errors` measures them
+(:mod:`linattn.integrations.transformers_convert`).  Importing this module makes
 ``attn_implementation="linattn"`` available with the default options.
 """
 
@@ -41,6 +43,7 @@ from linattn.integrations.transformers_convert import (
     map_from_file,
     save_fitted,
 )
+from linattn.integrations.transformers_refine import refine
 from linattn.state import LinearAttentionState
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "convert",
     "layer_errors",
     "load_fitted",
+    "refine",
     "register",
     "save_fitted",
     "special_keys",

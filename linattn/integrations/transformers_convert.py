@@ -21,11 +21,12 @@ module sits below it and imports nothing of it; the integration's attention call
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -102,6 +103,16 @@ def capture_hook() -> Hook | None:
     return hook
 
 
+@contextlib.contextmanager
+def hooked(hook: Hook) -> Iterator[None]:
+    """Every attention call of the current thread goes to ``hook`` inside the block."""
+    _capture.hook = hook
+    try:
+        yield
+    finally:
+        _capture.hook = None
+
+
 class _Captured(Exception):
     """Ends a forward pass at the layer being captured."""
 
@@ -125,7 +136,7 @@ class _Capture:
                     " is called twice in one forward pass (layers sharing weights)"
                 )
             self.order.append(call.module)
-            return _exact(call)
+            return exact_attention(call)
         layer = next((i for i, m in enumerate(self.order) if m is call.module), None)
         if layer is None:
             raise ValueError(
@@ -133,7 +144,7 @@ class _Capture:
                 "did not see: convert needs the same layers on every input"
             )
         if layer < self.target:
-            return None if self.stitch == "converted" else _exact(call)
+            return None if self.stitch == "converted" else exact_attention(call)
         query, key = call.query, call.key
         if query.shape[-2] != key.shape[-2]:
             raise ValueError(
@@ -155,7 +166,7 @@ class _Capture:
         raise _Captured
 
 
-def _exact(call: AttentionCall) -> torch.Tensor:
+def exact_attention(call: AttentionCall) -> torch.Tensor:
     """SDPA on the call (its mask is SDPA's: the integration borrows SDPA's mask function)."""
     out, _ = sdpa_attention_forward(
         call.module, call.query, call.key, call.value, call.attention_mask,
@@ -168,7 +179,7 @@ def _exact(call: AttentionCall) -> torch.Tensor:
 # -- inputs -------------------------------------------------------------------------------
 
 
-def _inputs(batches: Iterable[Any], name: str) -> list[dict[str, Any]]:
+def check_batches(batches: Iterable[Any], name: str) -> list[dict[str, Any]]:
     """The batches as a list, each checked: input_ids and attention_mask, real tokens."""
     if isinstance(batches, Mapping):
         raise TypeError(
@@ -200,7 +211,7 @@ def _inputs(batches: Iterable[Any], name: str) -> list[dict[str, Any]]:
     return out
 
 
-def _device(model: Model) -> torch.device:
+def model_device(model: Model) -> torch.device:
     parameter = next(model.parameters(), None)
     return torch.device("cpu") if parameter is None else parameter.device
 
@@ -208,19 +219,17 @@ def _device(model: Model) -> torch.device:
 def _run(model: Model, batch: dict[str, Any], capture: _Capture) -> LayerBatch | None:
     """One forward pass of ``batch`` under ``capture``, stopped once it has its layer:
     that layer's batch (None on the first pass, which runs to the end)."""
-    device = _device(model)
+    device = model_device(model)
     inputs = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in batch.items()}
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False  # no transformers cache: the keys are the inputs'
-    _capture.hook = capture
     capture.batch = None
     try:
-        model(**inputs)
+        with hooked(capture):
+            model(**inputs)
     except _Captured:
         captured, capture.batch = capture.batch, None
         return captured
-    finally:
-        _capture.hook = None
     if capture.target is not None:
         raise ValueError(
             f"the forward pass never reached attention layer {capture.target}: convert needs "
@@ -242,7 +251,7 @@ def _layer(
 
 
 @dataclass
-class _Saved:
+class SavedState:
     """What :func:`convert` changes on the model, to put back if it fails."""
 
     implementation: Any
@@ -251,9 +260,9 @@ class _Saved:
     maps: list[tuple[torch.nn.Module, FeatureMap]]
 
 
-def _save_state(model: Model) -> _Saved:
+def save_state(model: Model) -> SavedState:
     maps = [(m, m.__dict__[FITTED]) for m in model.modules() if FITTED in m.__dict__]
-    return _Saved(
+    return SavedState(
         model.config._attn_implementation,
         getattr(model.config, "linattn", None),
         model.training,
@@ -261,7 +270,7 @@ def _save_state(model: Model) -> _Saved:
     )
 
 
-def _restore(model: Model, saved: _Saved) -> None:
+def restore_state(model: Model, saved: SavedState) -> None:
     for module in model.modules():
         module.__dict__.pop(FITTED, None)
     for module, fm in saved.maps:
@@ -272,7 +281,7 @@ def _restore(model: Model, saved: _Saved) -> None:
     model.train(saved.training)
 
 
-def _use_linattn(model: Model) -> None:
+def use_linattn(model: Model) -> None:
     if _NAME not in AttentionInterface._global_mapping:
         raise RuntimeError(
             "attn_implementation='linattn' is not registered: import "
@@ -351,20 +360,20 @@ def convert(
     """
     if stitch not in ("exact", "converted"):
         raise ValueError(f"stitch must be 'exact' or 'converted'; got {stitch!r}")
-    fit_inputs = _inputs(batches, "batches")
-    val_inputs = _inputs(validation, "validation")
+    fit_inputs = check_batches(batches, "batches")
+    val_inputs = check_batches(validation, "validation")
     options = {
         "num_features": num_features, "window": window, "sink_keys": sink_keys,
         "exact_keys": exact_keys,
     }  # fmt: skip
-    saved = _save_state(model)
+    saved = save_state(model)
     fits: list[LayerFit] = []
     try:
         for module, _ in saved.maps:  # a new conversion starts from the exact model
             del module.__dict__[FITTED]
         model.config.linattn = dict(options)
         model.eval()
-        _use_linattn(model)
+        use_linattn(model)
         capture = _Capture(stitch)
         with torch.no_grad():
             _run(model, fit_inputs[0], capture)  # the layer order
@@ -386,7 +395,7 @@ def convert(
                 fits.append(result)
                 del fit_data, val_data
     except BaseException:
-        _restore(model, saved)
+        restore_state(model, saved)
         raise
     model.train(saved.training)
     model.__dict__["_linattn_conversion"] = {
@@ -414,14 +423,14 @@ def layer_errors(
     """
     from linattn.transfer import attention_errors
 
-    inputs = _inputs(batches, "batches")
+    inputs = check_batches(batches, "batches")
     settings = dict(getattr(model.config, "linattn", None) or {})
-    saved = _save_state(model)
+    saved = save_state(model)
     capture = _Capture("exact")
     results = []
     try:
         model.eval()
-        _use_linattn(model)
+        use_linattn(model)
         with torch.no_grad():
             _run(model, inputs[0], capture)
             for layer, module in enumerate(capture.order):
@@ -555,7 +564,7 @@ def load_fitted(
         if fm is not None:
             module.__dict__[FITTED] = fm
     model.config.linattn = {**settings, "fitted": str(path)}
-    _use_linattn(model)
+    use_linattn(model)
     return model
 
 

@@ -1,0 +1,364 @@
+"""Refine a converted model's fitted maps end to end (stitching (c)), weights frozen.
+
+:func:`linattn.integrations.transformers.convert` fits each attention layer to its own
+exact output; the layers' remaining errors then compound through the model.
+:func:`refine` takes the converted model and fits every layer's maps and far weights
+*together* to the exact model's final hidden states: Adam on the mean squared error of
+the last hidden state over real tokens, the model's weights frozen (only the maps'
+parameters get gradients; ``torch.autograd.grad`` leaves every ``.grad`` of the model as
+it was), the step kept that gives the lowest error on the validation batches.
+
+During the fit each attention call runs a dense, differentiable torch version of the
+fitted hybrid (:func:`dense_hybrid`: the formula of :mod:`linattn.fitted`, ``L x L``
+per call, as the per-layer fit's); afterwards the model runs the library's own path
+with the refined maps (a test holds the two equal).  Measured on all-MiniLM-L6-v2
+(``benchmarks/transfer_end_to_end.py``; figures in ``docs/estimators.md``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from linattn import fitted
+from linattn.features import FeatureMap
+from linattn.integrations.transformers_convert import (
+    FITTED,
+    AttentionCall,
+    Model,
+    check_batches,
+    exact_attention,
+    hooked,
+    model_device,
+    restore_state,
+    save_state,
+    use_linattn,
+)
+
+__all__ = ["dense_hybrid", "refine"]
+
+
+@dataclass
+class _Layer:
+    """One layer's trainable parameters (torch leaves) and what stays fixed."""
+
+    module: torch.nn.Module
+    feature_map: FeatureMap
+    values: dict[str, torch.Tensor]  # query_weight, query_bias[, key_*], log_far_weight
+    far_on: torch.Tensor  # (H_kv,) or (): heads whose g > 0 (g = 0 stays exactly 0)
+
+    def log_far_weight(self) -> torch.Tensor:
+        zero = torch.full_like(self.values["log_far_weight"], fitted.ZERO_FAR_LOG)
+        return torch.where(self.far_on, self.values["log_far_weight"], zero)
+
+    def feature_map_now(self) -> FeatureMap:
+        """The map with the current values (``g = 0`` heads kept at 0)."""
+        host = {n: t.detach().cpu().double().numpy() for n, t in self.values.items()}
+        far = np.where(self.far_on.cpu().numpy(), np.exp(host.pop("log_far_weight")), 0.0)
+        return self.feature_map.with_parameters(**host, far_weight=far)
+
+
+def _layer(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> _Layer:
+    fm: FeatureMap = module.__dict__[FITTED]
+    p = fm.parameters
+    assert p is not None  # convert stores fitted maps only
+    values = {
+        name: torch.tensor(np.array(value), dtype=dtype, device=device, requires_grad=True)
+        for name, value in p.arrays().items()
+        if name != "far_weight"
+    }
+    log_g = fitted.log_far_weight(p)
+    values["log_far_weight"] = torch.tensor(log_g, dtype=dtype, device=device, requires_grad=True)
+    far_on = torch.tensor(np.asarray(p.far_weight) > 0, device=device)
+    return _Layer(module, fm, values, far_on)
+
+
+def _heads(param: torch.Tensor, trailing: int, group: int) -> torch.Tensor:
+    """Per-head ``(H, ...)`` parameters as ``(H / group, group, ...)`` (shared: as is)."""
+    if param.ndim == trailing:
+        return param
+    return param.reshape(param.shape[0] // group, group, *param.shape[1:])
+
+
+def _log_phi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    u = x @ weight + bias.unsqueeze(-2)
+    return torch.log_softmax(torch.cat([u, -u], dim=-1), dim=-1)
+
+
+def dense_hybrid(
+    call: AttentionCall,
+    parameters: Mapping[str, torch.Tensor],
+    *,
+    window: int | None,
+    sink_keys: int,
+) -> torch.Tensor:
+    """The fitted hybrid of one attention call, dense and differentiable in everything.
+
+    ``out_i = softmax_j(s q_i.k_j on near keys; log(g phi(q_i).phi(k_j)) on far ones)
+    v_j``: near keys are the window, the sinks and the call's exact keys, far keys every
+    other real (and, causal, past) key; ``phi`` the Hedgehog map of
+    :mod:`linattn.fitted`.  ``L x L`` memory per head: for fitting on calibration
+    batches, not for inference (the library's own path computes the same output).
+
+    Parameters
+    ----------
+    call : AttentionCall
+        The integration's call (queries ``(B, H, L, d)``, keys/values ``(B, H_kv, L, .)``,
+        its key mask, exact-key mask and causality).
+    parameters : mapping of str to tensor
+        ``query_weight``, ``query_bias``, optionally ``key_weight``/``key_bias`` (tied
+        otherwise), and ``log_far_weight`` (``log g``, ``()`` or ``(H_kv,)``); shapes as
+        :class:`linattn.fitted.FittedParameters`.
+    window, sink_keys
+        The exact parts, as the model runs them.
+
+    Returns
+    -------
+    tensor, shape ``(B, L, H, d_v)``
+        transformers' attention output layout, in the queries' dtype.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from linattn.integrations.transformers_convert import AttentionCall
+    >>> q = k = v = torch.randn(1, 2, 5, 4)
+    >>> call = AttentionCall(None, q, k, v, None, 0.5, False, {}, None, None, False)
+    >>> p = {"query_weight": torch.eye(4), "query_bias": torch.zeros(4),
+    ...      "log_far_weight": torch.tensor(-1e4)}  # g = 0: window + sinks alone
+    >>> dense_hybrid(call, p, window=2, sink_keys=1).shape
+    torch.Size([1, 5, 2, 4])
+    """
+    query, key, value = call.query, call.key, call.value
+    dtype = parameters["query_weight"].dtype
+    batch, heads, length, dim = query.shape
+    key_heads = key.shape[1]
+    group = heads // key_heads
+    q = query.to(dtype).reshape(batch, key_heads, group, length, dim)
+    k, v = key.to(dtype)[:, :, None], value.to(dtype)[:, :, None]
+    device = q.device
+    t = torch.arange(length, device=device)[:, None]
+    j = torch.arange(key.shape[-2], device=device)[None, :]
+    seen = j <= t if call.causal else torch.ones_like(t == j)
+    near = (j < sink_keys) & seen
+    if window is not None:
+        near = near | (seen & ((t - j).abs() < window))
+    real = torch.ones_like(j, dtype=torch.bool) if call.key_mask is None else call.key_mask
+    real = real.reshape(-1, 1, 1, 1, j.shape[-1])
+    near = near & real
+    if call.exact_key_mask is not None:
+        near = near | (call.exact_key_mask.reshape(-1, 1, 1, 1, j.shape[-1]) & real & seen)
+    far = seen & real & ~near
+    scale = call.scaling if call.scaling is not None else dim**-0.5
+    logits = scale * (q @ k.transpose(-1, -2))
+    weight_q = _heads(parameters["query_weight"], 2, group)
+    bias_q = _heads(parameters["query_bias"], 1, group)
+    key_role = "query" if "key_weight" not in parameters else "key"  # tied: the query's
+    weight_k = _heads(parameters[f"{key_role}_weight"], 2, 1)
+    bias_k = _heads(parameters[f"{key_role}_bias"], 1, 1)
+    log_g = parameters["log_far_weight"]
+    log_g = log_g.reshape(-1, 1, 1, 1) if log_g.ndim else log_g
+    lq = _log_phi(q, weight_q, bias_q)
+    lk = _log_phi(k, weight_k, bias_k) + log_g
+    a, b = lq.amax(-1, keepdim=True).detach(), lk.amax(-1, keepdim=True).detach()
+    products = torch.exp(lq - a) @ torch.exp(lk - b).transpose(-1, -2)
+    tiny = torch.finfo(dtype).tiny
+    far_logits = torch.log(products.clamp_min(tiny)) + a + b.transpose(-1, -2)
+    minus_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
+    scores = torch.where(near, logits, torch.where(far, far_logits, minus_inf))
+    any_key = (near | far).any(-1, keepdim=True)  # a query with no key (padding): zeros
+    probs = torch.softmax(torch.where(any_key, scores, torch.zeros_like(scores)), dim=-1)
+    out = (probs * any_key) @ v
+    return out.reshape(batch, heads, length, -1).transpose(1, 2).to(query.dtype)
+
+
+class _Hook:
+    """The integration's capture hook: each attention call exact, or the dense hybrid."""
+
+    def __init__(self, layers: dict[int, _Layer] | None, settings: Mapping[str, Any]) -> None:
+        self.layers = layers
+        self.window = settings.get("window")
+        self.sink_keys = int(settings.get("sink_keys") or 0)
+
+    def __call__(self, call: AttentionCall) -> torch.Tensor:
+        if self.layers is None:
+            return exact_attention(call)
+        layer = self.layers.get(id(call.module))
+        if layer is None:
+            raise ValueError(
+                f"an attention module ({type(call.module).__name__}) without a fitted map ran: "
+                "refine needs every attention layer converted"
+            )
+        if call.query.shape[-2] != call.key.shape[-2]:
+            raise ValueError(
+                f"refine fits self-attention: got {call.query.shape[-2]} queries against "
+                f"{call.key.shape[-2]} keys (cross-attention or a cache)"
+            )
+        values = dict(layer.values)
+        values["log_far_weight"] = layer.log_far_weight()
+        return dense_hybrid(call, values, window=self.window, sink_keys=self.sink_keys)
+
+
+def _hidden(model: Model, batch: Mapping[str, Any], hook: _Hook) -> torch.Tensor:
+    """The last hidden state of ``batch`` with every attention call through ``hook``."""
+    device = model_device(model)
+    inputs = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in batch.items()}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False
+    with hooked(hook):
+        out = model(**inputs, output_hidden_states=True)
+    hidden: torch.Tensor = out.hidden_states[-1]
+    return hidden
+
+
+def _squared_error(
+    hidden: torch.Tensor, exact: torch.Tensor, batch: Mapping[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over real tokens of ``|hidden - exact|^2``, and of ``|exact|^2``."""
+    rows = batch["attention_mask"].to(hidden.device).bool()[..., None]
+    diff = (hidden.to(exact.dtype) - exact) * rows
+    return (diff**2).sum(), ((exact * rows) ** 2).sum()
+
+
+def refine(
+    model: Model,
+    batches: Iterable[Mapping[str, Any]],
+    validation: Iterable[Mapping[str, Any]],
+    *,
+    steps: int = 60,
+    learning_rate: float = 1e-3,
+    evaluate_every: int = 10,
+    progress: Callable[[str], None] | None = None,
+) -> Model:
+    """Fit a converted model's maps and far weights together, to its exact final states.
+
+    Stitching (c) of ``docs/algorithm.md`` (section "Fitted feature maps"): after
+    :func:`linattn.integrations.transformers.convert`, a short Adam fit of only the
+    maps' parameters and far weights (``log g``; heads the conversion set to ``g = 0``
+    stay at 0) on the mean squared error of the model's last hidden state against the
+    exact model's, over real tokens of ``batches``.  Every ``evaluate_every`` steps the
+    relative error ``||h - h_exact|| / ||h_exact||`` on ``validation`` is measured; the
+    parameters of the lowest (step 0, the conversion's, included) are kept.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A model converted by ``convert`` (or given maps by ``load_fitted``).  Its weights
+        and their ``.grad`` are not changed.
+    batches, validation : iterable of dict
+        Tokenizer output from disjoint texts, as ``convert``'s (they may be the same
+        splits as the conversion's).  Every batch is held in memory with the exact
+        model's last hidden states.
+    steps : int, default 60
+        Gradient steps (one batch each, in turn).
+    learning_rate : float, default 1e-3
+        Adam's step size (the per-layer fit's is 1e-2: this one starts near a minimum).
+    evaluate_every : int, default 10
+    progress : callable, optional
+        Called with one line per evaluation.
+
+    Returns
+    -------
+    model
+        The same model running ``attn_implementation="linattn"`` with the refined maps;
+        the conversion record that :func:`save_fitted` writes gains ``"refine"`` (steps,
+        the step kept, validation errors).
+
+    Raises
+    ------
+    ValueError
+        A model without fitted maps, a batch without ``input_ids``/``attention_mask`` or
+        real tokens, ``steps`` or ``evaluate_every`` below 0 / 1.  The model is left as it
+        was.
+
+    Examples
+    --------
+    >>> import torch, transformers
+    >>> from linattn.integrations.transformers import convert, refine
+    >>> torch.manual_seed(0) and None
+    >>> config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16,
+    ...     num_attention_heads=2, intermediate_size=32, vocab_size=30)
+    >>> model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    >>> def batch(seed):
+    ...     ids = torch.randint(0, 30, (2, 12), generator=torch.Generator().manual_seed(seed))
+    ...     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    >>> model = convert(model, [batch(1)], [batch(2)], window=2, num_features=4, steps=4)
+    >>> model = refine(model, [batch(1)], [batch(2)], steps=2, evaluate_every=1)
+    >>> sorted(model._linattn_conversion["refine"])
+    ['kept_step', 'learning_rate', 'seconds', 'steps', 'validation_error']
+    """
+    if steps < 0 or evaluate_every < 1:
+        raise ValueError(
+            f"steps must be >= 0 and evaluate_every >= 1; got steps={steps}, "
+            f"evaluate_every={evaluate_every}"
+        )
+    fit_inputs = check_batches(batches, "batches")
+    val_inputs = check_batches(validation, "validation")
+    modules = [m for m in model.modules() if FITTED in m.__dict__]
+    if not modules:
+        raise ValueError("model has no fitted maps: convert(...) it or load_fitted(...) first")
+    settings = dict(getattr(model.config, "linattn", None) or {})
+    saved = save_state(model)
+    start = time.perf_counter()
+    try:
+        model.eval()
+        use_linattn(model)
+        with torch.no_grad():
+            exact_hook = _Hook(None, settings)
+            fit_exact = [_hidden(model, b, exact_hook) for b in fit_inputs]
+            val_exact = [_hidden(model, b, exact_hook) for b in val_inputs]
+        dtype = torch.promote_types(fit_exact[0].dtype, torch.float32)
+        device = model_device(model)
+        layers = {id(m): _layer(m, dtype, device) for m in modules}
+        hook = _Hook(layers, settings)
+        leaves = [t for layer in layers.values() for t in layer.values.values()]
+
+        def validation_error() -> float:
+            err = norm = 0.0
+            with torch.no_grad():
+                for b, exact in zip(val_inputs, val_exact, strict=True):
+                    e, n = _squared_error(_hidden(model, b, hook), exact.to(dtype), b)
+                    err, norm = err + float(e), norm + float(n)
+            return math.sqrt(err / norm)
+
+        history = [(0, validation_error())]
+        best = (history[0][1], 0, [t.detach().clone() for t in leaves])
+        optimiser = torch.optim.Adam(leaves, lr=learning_rate)
+        for step in range(1, steps + 1):
+            index = (step - 1) % len(fit_inputs)
+            b = fit_inputs[index]
+            with torch.enable_grad():
+                e, _ = _squared_error(_hidden(model, b, hook), fit_exact[index].to(dtype), b)
+                count = b["attention_mask"].bool().sum() * fit_exact[index].shape[-1]
+                grads = torch.autograd.grad(e / count, leaves)
+            for leaf, grad in zip(leaves, grads, strict=True):
+                leaf.grad = grad
+            optimiser.step()
+            if step % evaluate_every == 0 or step == steps:
+                history.append((step, validation_error()))
+                if progress is not None:
+                    progress(f"refine step {step}/{steps}: validation error {history[-1][1]:.4g}")
+                if history[-1][1] < best[0]:
+                    best = (history[-1][1], step, [t.detach().clone() for t in leaves])
+        with torch.no_grad():
+            for leaf, value in zip(leaves, best[2], strict=True):
+                leaf.copy_(value)
+        for layer in layers.values():
+            layer.module.__dict__[FITTED] = layer.feature_map_now()
+    except BaseException:
+        restore_state(model, saved)
+        raise
+    model.train(saved.training)
+    record = dict(model.__dict__.get("_linattn_conversion") or {})
+    record["refine"] = {
+        "steps": steps, "learning_rate": learning_rate, "kept_step": best[1],
+        "validation_error": history, "seconds": time.perf_counter() - start,
+    }  # fmt: skip
+    model.__dict__["_linattn_conversion"] = record
+    return model
