@@ -470,8 +470,20 @@ def fused_causal(
     (and each output's log-normaliser when asked, for merging partials); it never holds
     an ``L x m`` feature array (the path for long sequences).  Torch CPU tensors run
     the same kernel through ``linattn::causal_fused_forward`` and differentiate through
-    ``linattn::causal_fused_backward`` (outputs, final state and log-normaliser).
+    ``linattn::causal_fused_backward`` (outputs, final state and log-normaliser).  A
+    fitted map's features are computed in the pass too, for NumPy arrays
+    (:func:`fitted_kernel_arrays`; ``linattn._plan`` sends nothing else).
     """
+    if feature_map.parameters is not None:
+        from linattn_numba import cpu
+
+        batch = _broadcast_batch(q, k, v, key_mask, kv.shape[:-2], log_shift.shape[:-1])
+        empty, fitted = fitted_kernel_arrays(feature_map, (*batch, *q.shape[-2:]), q.dtype)
+        return cpu.favor_causal(
+            q, k, v, empty, hyperbolic=False, scale=feature_map.scale, key_mask=key_mask,
+            kv=kv, log_shift=log_shift, chunk_size=chunk_size,
+            return_log_normaliser=return_log_normaliser, fitted=fitted,
+        )  # fmt: skip
     assert feature_map.projection is not None
     if library_of(q) == "torch":
         import torch
@@ -607,12 +619,28 @@ def _fused_causal_backward(
     return grads[0], grads[1], grads[2]
 
 
-def _broadcast_batch(q: Any, k: Any, v: Any, key_mask: Any) -> tuple[int, ...]:
+def _broadcast_batch(q: Any, k: Any, v: Any, key_mask: Any, *more: Any) -> tuple[int, ...]:
     import numpy as np
 
-    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]]
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], *more]
     shapes += [] if key_mask is None else [key_mask.shape[:-1]]
     return tuple(np.broadcast_shapes(*shapes))
+
+
+def fitted_kernel_arrays(
+    feature_map: FeatureMap, shape: tuple[int, ...], dtype: Any
+) -> tuple[Any, dict[str, Any]]:
+    """A fitted map as the fused passes take it, for NumPy inputs of ``shape`` ``(*batch,
+    L, d)``: an empty ``(0, d)`` projection and the parameters broadcast to ``batch``
+    (:func:`linattn.fitted.kernel_parameters`) in ``dtype``."""
+    import numpy as np
+
+    from linattn import fitted
+
+    assert feature_map.parameters is not None
+    arrays = fitted.kernel_parameters(feature_map.parameters, shape)
+    params = {name: np.asarray(x, dtype=dtype) for name, x in arrays.items()}
+    return np.zeros((0, shape[-1]), dtype), params
 
 
 def _zeros_state(batch: tuple[int, ...], m: int, dv: int, dtype: Any) -> Any:
@@ -667,7 +695,18 @@ def fused_bidirectional(
     q: Array, k: Array, v: Array, feature_map: FeatureMap, key_mask: Array | None
 ) -> Array:
     """Normalised bidirectional attention in the fused CPU pass (:func:`bidirectional_fused`):
-    features, state and readout block by block, no ``L x m`` array; compute dtype."""
+    features, state and readout block by block, no ``L x m`` array; compute dtype.  A
+    fitted map's features too, for NumPy arrays (``linattn._plan`` sends nothing else)."""
+    if feature_map.parameters is not None:
+        from linattn_numba.cpu import bidirectional as _bidirectional
+
+        batch = _broadcast_batch(q, k, v, key_mask)
+        empty, fitted = fitted_kernel_arrays(feature_map, (*batch, *q.shape[-2:]), q.dtype)
+        out, _, _ = _bidirectional.favor_bidirectional(
+            q, k, v, empty, hyperbolic=False, scale=feature_map.scale, key_mask=key_mask,
+            fitted=fitted,
+        )  # fmt: skip
+        return out
     projection, hyperbolic = fused_map_arrays(feature_map)
     if library_of(q) == "torch":
         from linattn_numba import torch_ops as _torch

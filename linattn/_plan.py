@@ -218,6 +218,8 @@ def _fused_causal_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
     """Causal features and attention in one compiled pass, no L x m array."""
     if not call.causal:
         return "bidirectional"
+    if call.feature_map is not None and call.feature_map.parameters is not None:
+        return _fitted_fused_why_not(call, scan)
     return None if scan.fused else f"no fused pass: {scan.reason}"
 
 
@@ -225,7 +227,18 @@ def _fused_bidirectional_why_not(call: Call, scan: _dispatch.Plan) -> str | None
     """Bidirectional features, state and readout in the fused compiled pass."""
     if call.causal:
         return "causal"
+    if call.feature_map is not None and call.feature_map.parameters is not None:
+        return _fitted_fused_why_not(call, scan)
     return _dispatch.bidirectional_why_not(call.q, call.feature_map, backend=call.backend)
+
+
+def _fitted_fused_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
+    """A fitted map in the fused forward passes, which compute its features per block:
+    NumPy arrays only (torch tensors differentiate through the fused backward passes,
+    which compute random features only)."""
+    if _dispatch.library_of(call.q) != "numpy":
+        return "a fitted map: the fused passes compute its features for NumPy arrays only"
+    return None if scan.kernel is not None else f"no compiled kernel: {scan.reason}"
 
 
 def _always(call: Call, scan: _dispatch.Plan) -> str | None:

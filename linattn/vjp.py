@@ -252,7 +252,10 @@ def _vjp(
     m = feature_map.num_features
     # The same statistics linear_attention uses; constants for gradients there too.
     statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
-    if chosen.executor == "fused-bidirectional":
+    # The fused backward passes compute random features only: a fitted map's forward
+    # may run fused, its adjoint runs on log-features (below).
+    fused_adjoint = feature_map.parameters is None
+    if chosen.executor == "fused-bidirectional" and fused_adjoint:
         # The fused passes: the forward's state, then the gradients, no L x m array.
         dq, dk, d_values = _dispatch.fused_bidirectional_vjp(
             q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False)
@@ -263,7 +266,7 @@ def _vjp(
             sum_to(xp, dk, tuple(k.shape), k.dtype),
             sum_to(xp, d_values, tuple(v.shape), v.dtype),
         )
-    if chosen.executor == "fused-causal":
+    if chosen.executor == "fused-causal" and fused_adjoint:
         # The fused causal passes: features recomputed chunk by chunk, no L x m array.
         dq, dk, d_values = _dispatch.fused_causal_vjp(
             q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False),

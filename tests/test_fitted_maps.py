@@ -127,10 +127,11 @@ def test_numpy_paths_match_the_dense_reference() -> None:
                     rows = slice(head * group, (head + 1) * group)
                     _close(out[:, rows], sparse[:, rows], 1e-12)
     # Without the kernels (numba absent, or $LINATTN_BACKEND=array_api) every scan is
-    # the array API's; with them, the one-pass hybrid kernels compute the fitted features.
+    # the array API's; with them, the fused passes and the one-pass hybrid kernels
+    # compute the fitted features.
     kernels = _dispatch.numpy_kernels_why_not() is None
     assert ({"numba-cpu", "array-api"} if kernels else {"array-api"}) <= scans
-    fused = {"hybrid-causal-fused", "hybrid-window-fused"}
+    fused = {"fused-causal", "fused-bidirectional", "hybrid-causal-fused", "hybrid-window-fused"}
     assert ({"portable", *fused} if kernels else {"portable", "hybrid-parts"}) <= executors
 
 
@@ -151,26 +152,57 @@ def test_float32_plain_attention_with_a_zero_far_weight() -> None:
 
 
 def test_fused_paths_say_why_not() -> None:
-    """The fused passes without exact parts and the decoding kernel compute random
-    features themselves: a fitted map goes to the paths that take log-features (the plan
-    says so; nothing runs wrong).  The one-pass hybrid kernels take it (the test above)."""
+    """The fused passes compute a fitted map's features for NumPy arrays (forward); torch
+    tensors, which differentiate through the fused backward passes, and the decoding
+    kernel compute random features only: a fitted map goes to the paths that take
+    log-features there (the plan says so; nothing runs wrong)."""
     why_not = _dispatch.numpy_kernels_why_not()
     if why_not is not None:
         pytest.skip(f"no compiled kernels here: {why_not}")
     rng = np.random.default_rng(1)
     fm = _map(rng, 2, 2, 1.0)
     q, k, v = _inputs(rng, 2, 2)
-    plan = la.plan_attention(q, k, v, fm)
-    assert dict(plan.rejected)["fused-bidirectional"] == (
-        "the fused passes do not compute this map's features"
-    )
+    assert la.plan_attention(q, k, v, fm).executor == "fused-bidirectional"
+    assert la.plan_attention(q, k, v, fm, causal=True).executor == "fused-causal"
     _, state = la.linear_attention(q, k, v, fm, causal=True, return_state=True)
     t = slice(0, 1)
     plan = la.plan_attention(
         q[..., t, :], k[..., t, :], v[..., t, :], fm, causal=True, state=state, return_state=True
     )
-    assert plan.executor == "portable"
+    assert plan.executor == "fused-causal"
     assert dict(plan.rejected)["decode"] == "a map the fused pass does not compute"
+    torch = pytest.importorskip("torch")
+    plan = la.plan_attention(*(torch.tensor(a) for a in (q, k, v)), fm)
+    assert dict(plan.rejected)["fused-bidirectional"] == (
+        "a fitted map: the fused passes compute its features for NumPy arrays only"
+    )
+
+
+def test_fused_kernels_check_the_parameters() -> None:
+    """The fused passes' own entry points name a bad parameter before compiled code runs."""
+    if _dispatch.numpy_kernels_why_not() is not None:
+        pytest.skip("no compiled kernels here")
+    from linattn_numba import cpu
+    from linattn_numba.cpu.bidirectional import favor_bidirectional
+
+    rng = np.random.default_rng(5)
+    fm = _map(rng, 2, 2, 1.0)
+    q, k, v = _inputs(rng, 2, 2)
+    empty, good = _dispatch.fitted_kernel_arrays(fm, q.shape, np.float64)
+    state = {"kv": np.zeros((1, 2, N, DV + 1)), "log_shift": np.full((1, 2, N), -np.inf)}
+    options = {"hyperbolic": False, "scale": 0.5, "key_mask": None}
+    bad = {**good, "key_bias": good["key_bias"][..., :1]}
+    with pytest.raises(ValueError, match=r"fitted\['key_bias'\] must have shape \(1, 2, 3\)"):
+        cpu.favor_causal(q, k, v, empty, **options, **state, chunk_size=4, fitted=bad)
+    with pytest.raises(ValueError, match=r"fitted\['key_bias'\] must have shape"):
+        favor_bidirectional(q, k, v, empty, **options, fitted=bad)
+    wrong = {**good, "query_weight": good["query_weight"].astype(np.float32)}
+    with pytest.raises(TypeError, match=r"fitted\['query_weight'\] must have dtype float64"):
+        favor_bidirectional(q, k, v, empty, **options, fitted=wrong)
+    with pytest.raises(TypeError, match="fitted must be a dict with keys"):
+        favor_bidirectional(q, k, v, empty, **options, fitted={"query_weight": 1})
+    out, *_ = favor_bidirectional(q, k, v, empty, **options, fitted=good)
+    _close(out, _reference(q, k, v, fm, causal=False))
 
 
 # -- 2. states and decoding ------------------------------------------------------------

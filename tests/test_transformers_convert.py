@@ -383,7 +383,7 @@ def test_refine_lowers_the_final_error_and_leaves_the_weights(name: str) -> None
     assert after[0] < errors[0] and after[1] < errors[1], (errors, after)
     record = model._linattn_conversion["refine"]
     history = dict(record["validation_error"])
-    assert len(lines) == 4 and history[record["kept_step"]] == min(history.values()) < history[0]
+    assert len(lines) == 5 and history[record["kept_step"]] == min(history.values()) < history[0]
     assert all(torch.equal(model.state_dict()[key], before[key]) for key in before)
     assert all(p.grad is None for p in model.parameters())
     assert module._linattn_fitted.parameters.far_weight[0] == 0.0

@@ -261,7 +261,7 @@ def refine(
         Adam's step size (the per-layer fit's is 1e-2: this one starts near a minimum).
     evaluate_every : int, default 10
     progress : callable, optional
-        Called with one line per evaluation.
+        Called with one line per evaluation (step 0 included).
 
     Returns
     -------
@@ -328,6 +328,8 @@ def refine(
             return math.sqrt(err / norm)
 
         history = [(0, validation_error())]
+        if progress is not None:
+            progress(f"refine step 0/{steps}: validation error {history[0][1]:.4g}")
         best = (history[0][1], 0, [t.detach().clone() for t in leaves])
         optimiser = torch.optim.Adam(leaves, lr=learning_rate)
         for step in range(1, steps + 1):

@@ -47,10 +47,12 @@ from linattn_numba.cpu.features import (
     FEATURE_BLOCK,
     LANES,
     features_vjp,
+    fitted_log_features,
     key_block,
     key_factors,
     log_features,
     query_block,
+    query_factors,
 )
 from linattn_numba.cpu.scalars import fast_exp, safe_shift, typed
 
@@ -86,10 +88,16 @@ def _workspace(span, m, rows, hyperbolic, width, dtype):
 
 
 @_jit()
-def _key_log_features(x, mask, projection, consts, hyperbolic, proj, lk):
-    """``lk = l(k)`` of one block of keys (:func:`linattn_numba.cpu.features.log_features`),
-    ``-inf`` rows for masked keys."""
-    log_features(x, projection, consts, hyperbolic, proj, lk)
+def _key_log_features(x, mask, projection, consts, hyperbolic, fitted, proj, lk):
+    """``lk = l(k)`` of one block of keys (:func:`linattn_numba.cpu.features.log_features`,
+    or with ``fitted = (weight, bias, scratch)`` ``fitted_log_features``; no far weight:
+    with no exact parts it cancels), ``-inf`` rows for masked keys."""
+    weight, bias, scratch = fitted
+    if weight.shape[1] > 0:
+        zero = typed(0.0, consts[0])
+        fitted_log_features(x, weight, bias, zero, scratch[: x.shape[0]], lk)
+    else:
+        log_features(x, projection, consts, hyperbolic, proj, lk)
     for j in range(lk.shape[0]):
         if not mask[j]:
             for r in range(lk.shape[1]):
@@ -110,7 +118,7 @@ def _exp_rows(lk, shift, sums):
 
 
 @_jit()
-def _absorb_all(k, v, mask, projection, consts, hyperbolic, kv, mu, work):
+def _absorb_all(k, v, mask, projection, consts, hyperbolic, fitted, kv, mu, work):
     """Pass 1 of one head: every key block into ``(kv, mu)``.
 
     Per block: ``mu' = max(mu, max_j l(k_j))``, ``phi = exp(l(K) - mu')``, and ``S' =
@@ -128,7 +136,9 @@ def _absorb_all(k, v, mask, projection, consts, hyperbolic, kv, mu, work):
         n = s1 - s0
         lk = feats[0][:n]
         safe_shift(mu, ms)
-        _key_log_features(k[s0:s1], mask[s0:s1], projection, consts, hyperbolic, proj[:n], lk)
+        _key_log_features(
+            k[s0:s1], mask[s0:s1], projection, consts, hyperbolic, fitted, proj[:n], lk
+        )
         running_max(lk, mu, top)
         shift_between(mu, top, ms, shift, decay)
         _exp_rows(lk, shift, sums)
@@ -177,22 +187,27 @@ def _merge_sinks(q, t, sinks, sink_values, visible, window_consts, far, far_scal
 
 @_machinery.Variants
 def _forward(
-    q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, lse, sinks, sink_values,
-    visible, window_consts,
+    q, k, v, mask, projection, consts, hyperbolic, fitted_weights, fitted_biases, kv, mu, out,
+    lse, sinks, sink_values, visible, window_consts,
 ):  # fmt: skip
     """All heads; ``lse`` (``(batch, L)``, or ``(batch, 0)`` to skip it) gets the log of
     each row's true denominator over the feature-map keys, ``-inf`` where the row sees
     none.  Sinks (``(batch, S, d)`` keys, their values, ``visible`` ``(batch, L, S)``) are
-    attended exactly and merged per query (``S = 0``: none)."""
+    attended exactly and merged per query (``S = 0``: none).  A fitted map's parameters,
+    ``fitted_weights[b, 0 | 1]`` ``(d, m/2)`` and ``fitted_biases[b, 0 | 1]`` for queries
+    and keys (``(batch, 2, 0, 0)``: a random map, ``projection``'s), give the features."""
     batch, length, d = q.shape
     m, width = kv.shape[1], kv.shape[2]
     dv = width - 1
     count = sinks.shape[1]
     span = min(FEATURE_BLOCK, max(length, k.shape[1], 1))
+    fitted = fitted_weights.shape[3] > 0
     for b in prange(batch):
         work = _workspace(span, m, projection.shape[0], hyperbolic, width, q.dtype)
         proj, feats, blocks, vecs, product = work
-        _absorb_all(k[b], v[b], mask[b], projection, consts, hyperbolic, kv[b], mu[b], work)
+        scratch = np.empty((span if fitted else 0, fitted_weights.shape[3]), q.dtype)
+        keys = (fitted_weights[b, 1], fitted_biases[b, 1], scratch)
+        _absorb_all(k[b], v[b], mask[b], projection, consts, hyperbolic, keys, kv[b], mu[b], work)
         ms, z, den, lanes = vecs[0][:m], vecs[1][:m], vecs[2][:span], vecs[5][:LANES]
         scale = vecs[3][:span]
         numerators = product.reshape(-1)[: m * dv].reshape((m, dv))
@@ -208,8 +223,13 @@ def _forward(
             s1 = min(s0 + span, length)
             n = s1 - s0
             u = feats[0][:n]
-            query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes, z,
-                         u, den[:n], scale[:n])  # fmt: skip
+            if fitted:  # whole log-features: the row maxima F_t are the log-scales
+                fitted_log_features(q[b][s0:s1], fitted_weights[b, 0], fitted_biases[b, 0],
+                                    typed(0.0, consts[0]), scratch[:n], u)  # fmt: skip
+                query_factors(u, ms, lanes, z, den[:n], scale[:n])
+            else:
+                query_block(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], ms, lanes,
+                            z, u, den[:n], scale[:n])  # fmt: skip
             np.dot(u, numerators, block[:n])
             if lse.shape[1]:  # log(0) = -inf: a row that sees no key; NaN stays NaN
                 for i in range(n):
@@ -299,6 +319,7 @@ def favor_bidirectional(
     key_mask: np.ndarray | None = None,
     return_log_normaliser: bool = False,
     sinks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    fitted: dict[str, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Bidirectional FAVOR+ in two compiled passes, features included: no ``L x m`` array.
 
@@ -328,6 +349,12 @@ def favor_bidirectional(
         ``visible`` ``(*batch, L_q, S)`` (bool): each query's exact weights
         ``exp(scale q . k)`` are merged with its feature-map row as online softmax does
         (keep them out of ``key_mask``: a key in both counts twice).
+    fitted : dict of ndarrays, optional
+        A fitted map's parameters broadcast to the batch axes, in the compute dtype
+        (``linattn.fitted.kernel_parameters``): its features instead of ``projection``'s
+        (pass an empty ``(0, d)`` projection).  Without sinks only: ``key_shift``, the far
+        weight, cancels and is not applied (the hybrid kernels take fitted maps with
+        exact keys).
 
     Returns
     -------
@@ -345,7 +372,10 @@ def favor_bidirectional(
            [2., 3.],
            [2., 3.]])
     """
-    call = FusedCall(q, k, v, projection, hyperbolic, scale, key_mask)
+    if fitted is not None and sinks is not None:
+        raise ValueError("fitted maps with sinks run in the hybrid kernels; got both")
+    call = FusedCall(q, k, v, projection, hyperbolic, scale, key_mask, fitted)
+    weights, biases, _ = call.fitted
     kv = np.zeros((call.n, call.m, call.dv + 1), call.dtype)
     mu = np.full((call.n, call.m), -np.inf, call.dtype)
     out = np.empty((call.n, call.length, call.dv), call.dtype)
@@ -357,7 +387,10 @@ def favor_bidirectional(
     exact = call.sinks(sinks)
     window_consts = readonly(np.array([0.0, -np.inf, scale], dtype=call.dtype))
     with _machinery.single_threaded_blas():
-        _forward.run(call.variant, *call.operands(), kv, mu, out, lse, *exact, window_consts)
+        _forward.run(
+            call.variant, *call.operands(), weights, biases, kv, mu, out, lse, *exact,
+            window_consts,
+        )  # fmt: skip
     batch = call.batch
     results = (
         out.reshape((*batch, call.length, call.dv)),

@@ -21,7 +21,61 @@ from linattn_numba.cpu.arrays import (
     without_empty_rows,
 )
 
-__all__ = ["CausalFusedCall", "FusedCall"]
+__all__ = ["FITTED", "CausalFusedCall", "FusedCall", "check_fitted", "fitted_operands"]
+
+#: A fitted map's parameters as the kernels take them (``linattn.fitted.kernel_parameters``).
+FITTED = ("query_weight", "key_weight", "query_bias", "key_bias", "key_shift")
+
+
+def check_fitted(
+    fitted: Any, batch: tuple[int, ...], d: int, m: int | None, dtype: np.dtype
+) -> int:
+    """Check ``fitted``'s arrays (NumPy, ``dtype``, shapes ``batch`` + the parameter's),
+    naming the one at fault; the number of features ``m`` (given, or ``None``: twice
+    ``query_weight``'s columns)."""
+    if not isinstance(fitted, dict) or set(fitted) != set(FITTED):
+        raise TypeError(f"fitted must be a dict with keys {FITTED}; got {fitted!r:.80}")
+    for name in FITTED:
+        x = fitted[name]
+        if not isinstance(x, np.ndarray):
+            raise TypeError(
+                f"fitted[{name!r}] must be a numpy.ndarray; got "
+                f"{type(x).__module__}.{type(x).__name__}"
+            )
+        if x.dtype != dtype:
+            raise TypeError(f"fitted[{name!r}] must have dtype {dtype}; got {x.dtype}")
+    if m is None:
+        weight = fitted["query_weight"]
+        m = 2 * int(weight.shape[-1]) if weight.ndim else 0
+    half = m // 2
+    tails = {"query_weight": (d, half), "key_weight": (d, half), "query_bias": (half,),
+             "key_bias": (half,), "key_shift": ()}  # fmt: skip
+    for name, tail in tails.items():
+        if m % 2 or tuple(fitted[name].shape) != (*batch, *tail):
+            raise ValueError(
+                f"fitted[{name!r}] must have shape {(*batch, *tail)} for m = {m} features; "
+                f"got {tuple(fitted[name].shape)}"
+            )
+    return m
+
+
+def fitted_operands(
+    fitted: dict[str, np.ndarray] | None, batch: tuple[int, ...], dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernels' ``(weights, biases, key_shift)``, flat ``(n, 2, d, m/2)``, ``(n, 2,
+    m/2)`` and ``(n,)`` (queries' first, keys' second), from checked ``fitted``; empty
+    arrays for a random map (``fitted=None``)."""
+    n = math.prod(batch)
+    if fitted is None:
+        return (np.empty((n, 2, 0, 0), dtype), np.empty((n, 2, 0), dtype),
+                np.empty((n,), dtype))  # fmt: skip
+    stacked = (
+        np.stack([fitted["query_weight"], fitted["key_weight"]], axis=-3),
+        np.stack([fitted["query_bias"], fitted["key_bias"]], axis=-2),
+        fitted["key_shift"],
+    )
+    weights, biases, shift = (contiguous(x, (n, *x.shape[len(batch) :]), dtype) for x in stacked)
+    return weights, biases, shift
 
 
 class FusedCall:
@@ -36,6 +90,7 @@ class FusedCall:
         hyperbolic: object,
         scale: object,
         key_mask: Any,
+        fitted: Any = None,
     ) -> None:
         arrays = {"q": q, "k": k, "v": v, "projection": projection}
         if key_mask is not None:
@@ -92,6 +147,10 @@ class FusedCall:
         self.batch, self.n = batch, math.prod(batch)
         self.length, self.dv, self.d = length, v.shape[-1], q.shape[-1]
         self.m = projection.shape[0] * (2 if hyperbolic else 1)
+        if fitted is not None:  # a fitted map's features (its parameters) instead
+            self.m = check_fitted(fitted, batch, self.d, None, self.dtype)
+        #: ``(weights, biases, key_shift)`` of :func:`fitted_operands` (empty: none)
+        self.fitted = fitted_operands(fitted, batch, self.dtype)
         self.hyperbolic = bool(hyperbolic)
 
         def flat(x: np.ndarray, tail: tuple[int, ...], dtype: Any) -> np.ndarray:

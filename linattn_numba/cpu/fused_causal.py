@@ -22,19 +22,25 @@ from linattn_numba.cpu.arrays import (
     readonly,
     without_empty_rows,
 )
-from linattn_numba.cpu.calls import CausalFusedCall
+from linattn_numba.cpu.calls import CausalFusedCall, check_fitted, fitted_operands
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
-from linattn_numba.cpu.features import FEATURE_BLOCK, log_features
+from linattn_numba.cpu.features import FEATURE_BLOCK, fitted_log_features, log_features
+from linattn_numba.cpu.scalars import typed
 
 __all__ = ["favor_causal", "forward"]
 
 
 @_machinery.Variants
-def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out, lse):
+def _forward_fused(
+    q, k, v, mask, projection, consts, hyperbolic, fitted, fitted_weights, fitted_biases, kv,
+    mu, chunk, out, lse,
+):  # fmt: skip
     """Features, causal attention and normalisation per block: no ``L x m`` array anywhere.
 
     ``lse`` (``(batch, L)``, or ``(batch, 0)`` to skip it) gets the log of each row's true
-    denominator, ``-inf`` where the row sees no key.
+    denominator, ``-inf`` where the row sees no key.  ``fitted``: the features are a fitted
+    map's, row ``b``'s query and key parameters ``fitted_weights[b, 0 | 1]`` and
+    ``fitted_biases[b, 0 | 1]`` (no far weight: with no exact parts it cancels).
     """
     batch, length, _ = q.shape
     dv = v.shape[2]
@@ -45,6 +51,7 @@ def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk,
     for b in prange(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, dv + 1, dtype)
         proj = np.empty((span if hyperbolic else 0, rows), dtype)
+        fitted_proj = np.empty((span if fitted else 0, m // 2), dtype)
         lq = np.empty((span, m), dtype)
         lk = np.empty((span, m), dtype)
         va = np.empty((span, dv + 1), dtype)
@@ -52,8 +59,13 @@ def _forward_fused(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk,
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
-            log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
-            log_features(k[b][s0:s1], projection, consts, hyperbolic, proj[:n], lk[:n])
+            if fitted:
+                fw, fb, zero = fitted_weights[b], fitted_biases[b], typed(0.0, consts[0])
+                fitted_log_features(q[b][s0:s1], fw[0], fb[0], zero, fitted_proj[:n], lq[:n])
+                fitted_log_features(k[b][s0:s1], fw[1], fb[1], zero, fitted_proj[:n], lk[:n])
+            else:
+                log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
+                log_features(k[b][s0:s1], projection, consts, hyperbolic, proj[:n], lk[:n])
             for i in range(n):
                 for e in range(dv):
                     va[i, e] = v[b, s0 + i, e]
@@ -97,6 +109,7 @@ def favor_causal(
     log_shift: np.ndarray,
     chunk_size: int,
     return_log_normaliser: bool = False,
+    fitted: dict[str, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Causal FAVOR+ in one pass: features, attention and normalisation chunk by chunk.
 
@@ -106,6 +119,12 @@ def favor_causal(
     above inputs and outputs is ``O(C m)`` per thread.  Inputs must already be
     checked by ``linattn`` (shapes broadcast, one floating dtype); they are cast to
     the compute dtype (float64 stays, all else float32).
+
+    With ``fitted`` (a fitted map's parameters broadcast to the batch axes, as
+    ``linattn.fitted.kernel_parameters`` gives them, in the compute dtype) the features
+    are that map's, computed per block the same way; ``projection`` is then ignored
+    (pass an empty ``(0, d)``) and ``key_shift`` (the far weight) too, since with no
+    exact parts it cancels.
 
     Returns
     -------
@@ -135,16 +154,18 @@ def favor_causal(
     dtype = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
     rows, head_dim = projection.shape
     m = kv.shape[-2]
-    if m != rows * (2 if hyperbolic else 1) or q.shape[-1] != head_dim:
+    batch = np.broadcast_shapes(
+        q.shape[:-2], k.shape[:-2], v.shape[:-2], kv.shape[:-2], log_shift.shape[:-1],
+        () if key_mask is None else key_mask.shape[:-1],
+    )  # fmt: skip
+    if fitted is not None:
+        check_fitted(fitted, tuple(batch), q.shape[-1], m, dtype)
+    elif m != rows * (2 if hyperbolic else 1) or q.shape[-1] != head_dim:
         raise ValueError(
             f"projection {projection.shape} does not match q {q.shape} and kv {kv.shape}"
         )
     chunk = chunk_length(_contract.check_chunk_size(chunk_size), q.shape[-2])
     length, dv = q.shape[-2], v.shape[-1]
-    batch = np.broadcast_shapes(
-        q.shape[:-2], k.shape[:-2], v.shape[:-2], kv.shape[:-2], log_shift.shape[:-1],
-        () if key_mask is None else key_mask.shape[:-1],
-    )  # fmt: skip
 
     n = math.prod(batch)
 
@@ -168,8 +189,9 @@ def favor_causal(
     variant = _machinery.choose_variant(n, length, m * (dv + 1))
     with _machinery.single_threaded_blas():
         _forward_fused.run(
-            variant, qf, kf, vf, maskf, scaled_projection, consts,
-            bool(hyperbolic), state, mu, chunk, out, lse,
+            variant, qf, kf, vf, maskf, scaled_projection, consts, bool(hyperbolic),
+            fitted is not None, *fitted_operands(fitted, tuple(batch), dtype)[:2], state, mu,
+            chunk, out, lse,
         )  # fmt: skip
     results = (
         out.reshape((*batch, length, dv)),
@@ -239,6 +261,9 @@ def forward(
     out = np.empty((call.n, call.length, call.dv), call.dtype)
     lse = np.empty((call.n, call.length), call.dtype)
     with _machinery.single_threaded_blas():
-        _forward_fused.run(call.variant, *call.operands(), state, mu, call.chunk, out, lse)
+        _forward_fused.run(
+            call.variant, *call.operands(), False, *call.fitted[:2], state, mu, call.chunk,
+            out, lse,
+        )  # fmt: skip
     results = call.shaped_results(out, state, mu, lse)
     return results[0], results[1], results[2], results[3]

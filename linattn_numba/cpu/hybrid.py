@@ -58,6 +58,7 @@ from numba import prange
 
 from linattn_numba import _contract, _machinery
 from linattn_numba.cpu.arrays import DTYPES, chunk_length, contiguous, readonly, without_empty_rows
+from linattn_numba.cpu.calls import check_fitted, fitted_operands
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
 from linattn_numba.cpu.exact import exact_chunk, exact_rows, in_band, merge_into
 from linattn_numba.cpu.features import FEATURE_BLOCK, fitted_log_features, log_features
@@ -266,33 +267,6 @@ def _check_projection(
         )
 
 
-#: A fitted map's parameters as the kernels take them: name -> trailing shape.
-_FITTED = ("query_weight", "key_weight", "query_bias", "key_bias", "key_shift")
-
-
-def _check_fitted(
-    fitted: Any, batch: tuple[int, ...], d: int, m: int | None, dtype: np.dtype
-) -> int:
-    """``fitted``'s arrays: NumPy, ``dtype``, shapes ``batch`` + the parameter's; the
-    number of features ``m`` (given, or ``None``: twice ``query_weight``'s columns)."""
-    if not isinstance(fitted, dict) or set(fitted) != set(_FITTED):
-        raise TypeError(f"fitted must be a dict with keys {_FITTED}; got {fitted!r:.80}")
-    named = {name: fitted[name] for name in _FITTED}
-    _check({"q": np.empty(0, dtype), **named})
-    if m is None:
-        m = 2 * int(named["query_weight"].shape[-1]) if named["query_weight"].ndim else 0
-    half = m // 2
-    tails = {"query_weight": (d, half), "key_weight": (d, half), "query_bias": (half,),
-             "key_bias": (half,), "key_shift": ()}  # fmt: skip
-    for name, tail in tails.items():
-        if m % 2 or tuple(named[name].shape) != (*batch, *tail):
-            raise ValueError(
-                f"fitted[{name!r}] must have shape {(*batch, *tail)} for m = {m} features; "
-                f"got {tuple(named[name].shape)}"
-            )
-    return m
-
-
 def _launch(
     arrays: dict[str, np.ndarray], projection: np.ndarray, scale: float, hyperbolic: bool,
     kv: np.ndarray, mu: np.ndarray, later: tuple[np.ndarray, np.ndarray] | None, chunk_size: int,
@@ -318,17 +292,7 @@ def _launch(
     work = m * (dv + 1) * (2 if later is not None else 1) + span * (d + dv)
     if later is None:
         later = np.empty((n, 0, dv + 1), dtype), np.empty((n, 0), dtype)
-    parameters: tuple[np.ndarray, ...]
-    if fitted is None:
-        parameters = (np.empty((*batch, 2, 0, 0), dtype), np.empty((*batch, 2, 0), dtype),
-                      np.empty(batch, dtype))  # fmt: skip
-    else:
-        parameters = (
-            np.stack([fitted["query_weight"], fitted["key_weight"]], axis=-3),
-            np.stack([fitted["query_bias"], fitted["key_bias"]], axis=-2),
-            fitted["key_shift"],
-        )
-    parameters = tuple(contiguous(x, (n, *x.shape[len(batch) :]), dtype) for x in parameters)
+    parameters = fitted_operands(fitted, tuple(batch), dtype)
     with _machinery.single_threaded_blas():
         _forward.run(
             _machinery.choose_variant(n, length, work),
@@ -427,7 +391,7 @@ def causal_forward(
     if fitted is None:
         _check_projection(projection, q, m, hyperbolic, kv.shape)
     else:
-        _check_fitted(fitted, tuple(batch), d, m, dtype)
+        check_fitted(fitted, tuple(batch), d, m, dtype)
     expected = {
         **_shapes(q, v, sinks),
         "keep": (*batch, span + length),
@@ -510,7 +474,7 @@ def bidirectional_forward(
         m = projection.shape[0] * (2 if hyperbolic else 1)
         _check_projection(projection, q, m, hyperbolic, (*batch, m, dv + 1))
     else:
-        m = _check_fitted(fitted, tuple(batch), d, None, dtype)
+        m = check_fitted(fitted, tuple(batch), d, None, dtype)
     expected = {**_shapes(q, v, sinks), "keep": (*batch, length)}
     _validated(named, expected, scale, f"q {q.shape} and values (..., {dv})")
     n = math.prod(batch)
