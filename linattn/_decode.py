@@ -13,7 +13,7 @@ path the call was meant for.
 It applies to causal calls with a state, at most :data:`MAX_TOKENS` new tokens, NumPy
 float32 or float64 arrays of one dtype, leading shapes equal to the state's, a
 ``key_mask`` of exactly ``q.shape[:-1]`` (or none), and the maps the fused CPU pass
-takes (:func:`linattn._dispatch.fused_map`), when the backend asked for is ``"auto"``
+takes (:func:`linattn._dispatch.fused_map`, and fitted maps), when the backend asked for is ``"auto"``
 or ``"numba"`` and ``linattn_numba`` imports.  Its results equal the general path's
 bit for bit (the fused pass's products on the same features).
 """
@@ -47,8 +47,9 @@ class _MapConstants(NamedTuple):
     head_dim: int
     num_features: int
     hyperbolic: bool
-    projection: np.ndarray  # times sqrt(scale), contiguous, in the dtype
+    projection: np.ndarray  # times sqrt(scale), contiguous, in the dtype (fitted: (0, d))
     consts: np.ndarray  # [scale / 2, log(m) / 2]
+    fitted: bool  # a fitted map: its parameters, per batch shape (_fitted_operands)
 
 
 #: Per (fingerprint, dtype): the map's constants, or None when the fused pass cannot take
@@ -63,19 +64,50 @@ def map_constants(feature_map: FeatureMap, dtype: np.dtype) -> _MapConstants | N
         if len(_MAPS) >= MAX_CACHED_MAPS:  # (maps redrawn during training: no leak)
             _MAPS.clear()
         entry = None
-        if _dispatch.fused_map(feature_map) and not feature_map.needs_calibration:
-            scale = feature_map.scale
+        scale, m = feature_map.scale, feature_map.num_features
+        consts = np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype)
+        if feature_map.parameters is not None:
+            projection = np.zeros((0, feature_map.head_dim), dtype)
+            entry = _MapConstants(feature_map.head_dim, m, False, projection, consts, True)
+        elif _dispatch.fused_map(feature_map) and not feature_map.needs_calibration:
             projection = np.sqrt(scale) * feature_map.projection
             entry = _MapConstants(
                 feature_map.head_dim,
-                feature_map.num_features,
+                m,
                 feature_map.kind == "hyperbolic",
                 np.ascontiguousarray(projection, dtype=dtype),
-                np.array([0.5 * scale, 0.5 * np.log(feature_map.num_features)], dtype=dtype),
+                consts,
+                False,
             )
             entry.projection.flags.writeable = False
         _MAPS[key] = entry
     return _MAPS[key]
+
+
+#: Per (fingerprint, dtype, batch shape): a fitted map's kernel parameters.
+_FITTED: dict[tuple[str, np.dtype, tuple[int, ...]], tuple[np.ndarray, np.ndarray] | None] = {}
+
+
+def _fitted_operands(
+    feature_map: FeatureMap, shape: tuple[int, ...], dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A fitted map's ``(weights, biases)`` for inputs of ``shape`` as the kernel takes
+    them (:func:`linattn_numba.cpu.calls.fitted_operands`), or None where its heads do
+    not meet ``shape`` (the general path raises the error)."""
+    key = (feature_map.fingerprint, dtype, tuple(shape[:-2]))
+    if key not in _FITTED:
+        if len(_FITTED) >= MAX_CACHED_MAPS:
+            _FITTED.clear()
+        from linattn_numba.cpu.calls import fitted_operands
+
+        try:
+            _, arrays = _dispatch.fitted_kernel_arrays(feature_map, shape, dtype)
+        except ValueError:
+            _FITTED[key] = None
+        else:
+            weights, biases, _ = fitted_operands(arrays, tuple(shape[:-2]), dtype)
+            _FITTED[key] = weights, biases
+    return _FITTED[key]
 
 
 def _count(x: object) -> bool:
@@ -125,6 +157,8 @@ def why_not(
     constants = map_constants(feature_map, dtype)
     if constants is None or shape[-1] != constants.head_dim:
         return "a map the fused pass does not compute"
+    if constants.fitted and _fitted_operands(feature_map, shape, dtype) is None:
+        return "a fitted map whose heads do not meet q"
     m = constants.num_features
     if (
         state.feature_map != feature_map.fingerprint
@@ -164,6 +198,7 @@ def step(
         log_shift=state.log_shift,
         chunk_size=_dispatch.CPU_FORWARD_CHUNK_SIZE if chunk_size is None else chunk_size,
         consts=constants.consts,
+        fitted=_fitted_operands(feature_map, q.shape, q.dtype) if constants.fitted else None,
     )
     return out, LinearAttentionState(
         kv=kv,

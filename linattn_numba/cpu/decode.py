@@ -49,8 +49,8 @@ from linattn_numba.cpu.chunks import (
     running_max,
     shift_between,
 )
-from linattn_numba.cpu.features import log_features
-from linattn_numba.cpu.scalars import safe_shift
+from linattn_numba.cpu.features import fitted_log_features, log_features
+from linattn_numba.cpu.scalars import safe_shift, typed
 
 __all__ = ["decode_step"]
 
@@ -110,8 +110,13 @@ def _readout_then_update(u, intra, phi, va, kv, decay, weight_state, block, stat
 
 
 @_machinery.Variants
-def _decode(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, kv_out, mu_out, out):
-    """Heads ``b`` of ``L`` new tokens each: features, attention, normalisation, state."""
+def _decode(
+    q, k, v, mask, projection, consts, hyperbolic, fitted, fitted_weights, fitted_biases, kv,
+    mu, chunk, kv_out, mu_out, out,
+):  # fmt: skip
+    """Heads ``b`` of ``L`` new tokens each: features, attention, normalisation, state.
+    ``fitted``: a fitted map's features, from ``fitted_weights[b, 0 | 1]`` and
+    ``fitted_biases[b, 0 | 1]`` (queries, keys), as the fused pass computes them."""
     batch, length, _ = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
@@ -123,8 +128,14 @@ def _decode(q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, kv_out
         proj = np.empty((length if hyperbolic else 0, rows), dtype)
         va = np.empty((length, dv + 1), dtype)
         block = np.empty((length, dv + 1), dtype)
-        log_features(q[b], projection, consts, hyperbolic, proj, lq)
-        log_features(k[b], projection, consts, hyperbolic, proj, lk)
+        if fitted:
+            scratch = np.empty((length, m // 2), dtype)
+            fw, fb, zero = fitted_weights[b], fitted_biases[b], typed(0.0, consts[0])
+            fitted_log_features(q[b], fw[0], fb[0], zero, scratch, lq)
+            fitted_log_features(k[b], fw[1], fb[1], zero, scratch, lk)
+        else:
+            log_features(q[b], projection, consts, hyperbolic, proj, lq)
+            log_features(k[b], projection, consts, hyperbolic, proj, lk)
         for i in range(length):
             for e in range(dv):
                 va[i, e] = v[b, i, e]
@@ -177,6 +188,7 @@ def decode_step(
     log_shift: np.ndarray,
     chunk_size: int,
     consts: np.ndarray | None = None,
+    fitted: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Causal FAVOR+ for a few new tokens after a state: ``(outputs, kv_out, log_shift_out)``.
 
@@ -187,6 +199,9 @@ def decode_step(
     this).  ``projection`` may be given already scaled by ``sqrt(scale)`` and in the
     dtype, with ``consts = [scale / 2, log(m) / 2]``; otherwise both are computed here.
     ``kv`` and ``log_shift`` are not changed; the state after the tokens is new arrays.
+    ``fitted``: a fitted map's ``(weights, biases)`` as
+    :func:`linattn_numba.cpu.calls.fitted_operands` gives them for this batch (flat ``(n,
+    2, d, m/2)`` and ``(n, 2, m/2)``, the dtype): its features instead of the projection's.
     """
     *batch, length, head_dim = q.shape
     dv = v.shape[-1]
@@ -209,7 +224,12 @@ def decode_step(
     out = np.empty((n, length, dv), dtype)
     kv_out = np.empty((n, m, dv + 1), dtype)
     mu_out = np.empty((n, m), dtype)
-    args = (qf, kf, vf, mask, projection, consts, hyperbolic, kv_in, mu_in, chunk_size)
+    if fitted is None:
+        fitted_args = (False, np.empty((n, 2, 0, 0), dtype), np.empty((n, 2, 0), dtype))
+    else:
+        fitted_args = (True, *fitted)
+    args = (qf, kf, vf, mask, projection, consts, hyperbolic, *fitted_args, kv_in, mu_in,
+            chunk_size)  # fmt: skip
     variant = _machinery.choose_variant(n, length, m * (dv + 1))
     if variant == "serial":  # one thread: BLAS's own threads fight nobody
         _decode.run(variant, *args, kv_out, mu_out, out)
