@@ -13,9 +13,9 @@ path the call was meant for.
 It applies to causal calls with a state, at most :data:`MAX_TOKENS` new tokens, NumPy
 float32 or float64 arrays of one dtype, leading shapes equal to the state's, a
 ``key_mask`` of exactly ``q.shape[:-1]`` (or none), and the maps the fused CPU pass
-takes (:func:`linattn._dispatch.fused_map`, and fitted maps), when the backend asked for is ``"auto"``
-or ``"numba"`` and ``linattn_numba`` imports.  Its results equal the general path's
-bit for bit (the fused pass's products on the same features).
+takes (:func:`linattn._dispatch.fused_map`, and fitted maps), when the backend asked
+for is ``"auto"`` or ``"numba"`` and ``linattn_numba`` imports.  Its results equal the
+general path's bit for bit (the fused pass's products on the same features).
 """
 
 from __future__ import annotations
