@@ -7,6 +7,7 @@ one run: the machine is shared and noisy).  Prints the executor the plan chose f
     python benchmarks/fitted_speed.py                 # L = 16384, w = 64, 4 heads, d = 64
     python benchmarks/fitted_speed.py --length 4096 --repeats 2
     python benchmarks/fitted_speed.py --alone         # no exact parts: feature maps alone
+    python benchmarks/fitted_speed.py --decode --length 512   # one-token steps after a state
 
 With ``--alone`` the maps run without window or sinks: the random maps on the fused
 passes, the fitted map on the log-feature path (the compiled causal scan), which is what
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--alone", action="store_true", help="no window or sinks")
+    ap.add_argument("--decode", action="store_true", help="one-token steps after a state")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     shape = (1, args.heads, args.length, args.head_dim)
@@ -52,6 +54,9 @@ def main() -> None:
         params.query_weight, params.query_bias, key_weight=params.key_weight,
         key_bias=params.key_bias, far_weight=np.full(args.heads, 3.0),
     )  # fmt: skip
+    if args.decode:
+        decode(q, k, v, fitted, la.FeatureMap(d, 64, kind="hyperbolic", seed=0), args.repeats)
+        return
     maps = [("random m=256", random), ("fitted m=64", fitted)]
     parts = {"window": args.window, "sink_keys": 1}
     if args.alone:
@@ -74,6 +79,19 @@ def main() -> None:
         if args.alone:
             ratio = seconds["fitted m=64"] / seconds["random m=64"]
             print(f"{'':13s} fitted / random m=64: {ratio:.2f}")
+
+
+def decode(q, k, v, fitted, random, repeats: int) -> None:
+    """Milliseconds per one-token causal step after a state of all of ``q``'s tokens."""
+    print(f"# decoding one token after {q.shape[-2]} (no exact parts), {q.shape[1]} heads")
+    step = [x[..., :1, :] for x in (q, k, v)]
+    for name, fm in (("random m=64", random), ("fitted m=64", fitted)):
+        _, state = la.linear_attention(q, k, v, fm, causal=True, return_state=True)
+        options = {"causal": True, "state": state, "return_state": True}
+        plan = la.plan_attention(*step, fm, **options)
+        seconds = best(lambda fm=fm, o=options: [la.linear_attention(*step, fm, **o)
+                                                 for _ in range(100)], repeats)  # fmt: skip
+        print(f"{name:13s} {seconds * 10:8.3f} ms a step  ({plan.executor})")
 
 
 if __name__ == "__main__":
