@@ -155,18 +155,18 @@ def dask(session: nox.Session) -> None:
     _test(session, "dask", "dask[array]>=2024.8", "distributed>=2024.8")
 
 
-def _layers(session: nox.Session, tests: str, *install: str) -> None:
+def _layers(session: nox.Session, tests: tuple[str, ...], *install: str) -> None:
     """One framework's layer tests; torch first, pinned, where the framework needs it."""
     if any(name.startswith(("torch", "transformers")) for name in install):
         session.install(TORCH)
     session.install("-e", ".", *TEST, *install)
-    session.run("pytest", tests, *session.posargs, env={"LINATTN_TEST_BACKENDS": "numpy"})
+    session.run("pytest", *tests, *session.posargs, env={"LINATTN_TEST_BACKENDS": "numpy"})
 
 
 @session
 def layers_torch(session: nox.Session) -> None:
     """linattn.torch (FastAttention, MultiheadAttention) and grouped-query attention."""
-    _layers(session, "tests/test_layers_torch.py", TORCH)
+    _layers(session, ("tests/test_layers_torch.py",), TORCH)
     session.run("pytest", "--doctest-modules", "linattn/torch.py", "linattn/_gqa.py")
     session.run(
         "pytest", "tests/test_gqa.py", *session.posargs,
@@ -177,14 +177,16 @@ def layers_torch(session: nox.Session) -> None:
 @session
 def flax(session: nox.Session) -> None:
     """linattn.flax (the nnx module) under nnx.jit and nnx.grad."""
-    _layers(session, "tests/test_layers_flax.py", "flax>=0.12")
+    _layers(session, ("tests/test_layers_flax.py",), "flax>=0.12")
     session.run("pytest", "--doctest-modules", "linattn/flax.py")
 
 
 @session
 def transformers(session: nox.Session) -> None:
-    """attn_implementation="linattn" on small random BERT and GPT-2 models."""
-    _layers(session, "tests/test_transformers_integration.py", TORCH, "transformers>=5")
+    """attn_implementation="linattn" on small random BERT and GPT-2 models, and their
+    conversion to fitted maps (BERT, GPT-2, grouped-query Llama)."""
+    tests = ("tests/test_transformers_integration.py", "tests/test_transformers_convert.py")
+    _layers(session, tests, TORCH, "transformers>=5")
     session.run("pytest", "--doctest-modules", "linattn/integrations")
 
 

@@ -338,9 +338,9 @@ def refine(
             with torch.enable_grad():
                 e, _ = _squared_error(_hidden(model, b, hook), fit_exact[index].to(dtype), b)
                 count = b["attention_mask"].bool().sum() * fit_exact[index].shape[-1]
-                grads = torch.autograd.grad(e / count, leaves)
+                grads = torch.autograd.grad(e / count, leaves, allow_unused=True)
             for leaf, grad in zip(leaves, grads, strict=True):
-                leaf.grad = grad
+                leaf.grad = torch.zeros_like(leaf) if grad is None else grad
             optimiser.step()
             if step % evaluate_every == 0 or step == steps:
                 history.append((step, validation_error()))
