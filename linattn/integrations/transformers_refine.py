@@ -3,10 +3,11 @@
 :func:`linattn.integrations.transformers.convert` fits each attention layer to its own
 exact output; the layers' remaining errors then compound through the model.
 :func:`refine` takes the converted model and fits every layer's maps and far weights
-*together* to the exact model's final hidden states: Adam on the mean squared error of
-the last hidden state over real tokens, the model's weights frozen (only the maps'
-parameters get gradients; ``torch.autograd.grad`` leaves every ``.grad`` of the model as
-it was), the step kept that gives the lowest error on the validation batches.
+*together* to the exact model's final hidden states: Adam on the squared error of the
+last hidden state over real tokens (or ``1 - cos`` of the mean-pooled sentence
+embeddings), the model's weights frozen (only the maps' parameters get gradients;
+``torch.autograd.grad`` leaves every ``.grad`` of the model as it was), the step kept
+that gives the lowest error on the validation batches.
 
 During the fit each attention call runs a dense, differentiable torch version of the
 fitted hybrid (:func:`dense_hybrid`: the formula of :mod:`linattn.fitted`, ``L x L``
@@ -217,13 +218,28 @@ def _hidden(model: Model, batch: Mapping[str, Any], hook: _Hook) -> torch.Tensor
     return hidden
 
 
-def _squared_error(
+def _hidden_error(
     hidden: torch.Tensor, exact: torch.Tensor, batch: Mapping[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum over real tokens of ``|hidden - exact|^2``, and of ``|exact|^2``."""
+    """Sum over real tokens of ``|h - h_exact|^2``, and of ``|h_exact|^2``."""
     rows = batch["attention_mask"].to(hidden.device).bool()[..., None]
     diff = (hidden.to(exact.dtype) - exact) * rows
     return (diff**2).sum(), ((exact * rows) ** 2).sum()
+
+
+def _pooled_error(
+    hidden: torch.Tensor, exact: torch.Tensor, batch: Mapping[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over rows of ``1 - cos`` of the mean-pooled embeddings, and the row count."""
+    rows = batch["attention_mask"].to(hidden.device)[..., None].to(exact.dtype)
+    pooled = (hidden.to(exact.dtype) * rows).sum(-2), (exact * rows).sum(-2)
+    cos = torch.nn.functional.cosine_similarity(*pooled, dim=-1)
+    return (1 - cos).sum(), torch.tensor(float(cos.shape[0]), dtype=exact.dtype)
+
+
+#: ``refine``'s losses: (error sum, normaliser) of a batch; the fit minimises their
+#: ratio, the validation error is ``sqrt(sum of errors / sum of normalisers)``.
+LOSSES = {"hidden": _hidden_error, "pooled": _pooled_error}
 
 
 def refine(
@@ -234,6 +250,7 @@ def refine(
     steps: int = 60,
     learning_rate: float = 1e-3,
     evaluate_every: int = 10,
+    loss: str = "hidden",
     progress: Callable[[str], None] | None = None,
 ) -> Model:
     """Fit a converted model's maps and far weights together, to its exact final states.
@@ -241,10 +258,10 @@ def refine(
     Stitching (c) of ``docs/algorithm.md`` (section "Fitted feature maps"): after
     :func:`linattn.integrations.transformers.convert`, a short Adam fit of only the
     maps' parameters and far weights (``log g``; heads the conversion set to ``g = 0``
-    stay at 0) on the mean squared error of the model's last hidden state against the
-    exact model's, over real tokens of ``batches``.  Every ``evaluate_every`` steps the
-    relative error ``||h - h_exact|| / ||h_exact||`` on ``validation`` is measured; the
-    parameters of the lowest (step 0, the conversion's, included) are kept.
+    stay at 0) on the error of the model's last hidden state against the exact model's
+    (``loss``), over real tokens of ``batches``.  Every ``evaluate_every`` steps the same
+    error on ``validation`` is measured (``"hidden"``: ``||h - h_exact|| / ||h_exact||``);
+    the parameters of the lowest (step 0, the conversion's, included) are kept.
 
     Parameters
     ----------
@@ -260,6 +277,12 @@ def refine(
     learning_rate : float, default 1e-3
         Adam's step size (the per-layer fit's is 1e-2: this one starts near a minimum).
     evaluate_every : int, default 10
+    loss : {"hidden", "pooled"}
+        What is fitted and validated: ``"hidden"``, the squared error of the last hidden
+        state over real tokens, relative to the exact one's squared norm (any model);
+        ``"pooled"``, ``1 - cos`` of the mean-pooled last hidden states, the sentence
+        embeddings of models such as all-MiniLM-L6-v2 (validation error ``sqrt`` of its
+        mean).
     progress : callable, optional
         Called with one line per evaluation (step 0 included).
 
@@ -274,8 +297,8 @@ def refine(
     ------
     ValueError
         A model without fitted maps, a batch without ``input_ids``/``attention_mask`` or
-        real tokens, ``steps`` or ``evaluate_every`` below 0 / 1.  The model is left as it
-        was.
+        real tokens, ``steps`` or ``evaluate_every`` below 0 / 1, an unknown ``loss``.
+        The model is left as it was.
 
     Examples
     --------
@@ -291,13 +314,16 @@ def refine(
     >>> model = convert(model, [batch(1)], [batch(2)], window=2, num_features=4, steps=4)
     >>> model = refine(model, [batch(1)], [batch(2)], steps=2, evaluate_every=1)
     >>> sorted(model._linattn_conversion["refine"])
-    ['kept_step', 'learning_rate', 'seconds', 'steps', 'validation_error']
+    ['kept_step', 'learning_rate', 'loss', 'seconds', 'steps', 'validation_error']
     """
     if steps < 0 or evaluate_every < 1:
         raise ValueError(
             f"steps must be >= 0 and evaluate_every >= 1; got steps={steps}, "
             f"evaluate_every={evaluate_every}"
         )
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {sorted(LOSSES)}; got {loss!r}")
+    error_of = LOSSES[loss]
     fit_inputs = check_batches(batches, "batches")
     val_inputs = check_batches(validation, "validation")
     modules = [m for m in model.modules() if FITTED in m.__dict__]
@@ -323,7 +349,7 @@ def refine(
             err = norm = 0.0
             with torch.no_grad():
                 for b, exact in zip(val_inputs, val_exact, strict=True):
-                    e, n = _squared_error(_hidden(model, b, hook), exact.to(dtype), b)
+                    e, n = error_of(_hidden(model, b, hook), exact.to(dtype), b)
                     err, norm = err + float(e), norm + float(n)
             return math.sqrt(err / norm)
 
@@ -336,9 +362,8 @@ def refine(
             index = (step - 1) % len(fit_inputs)
             b = fit_inputs[index]
             with torch.enable_grad():
-                e, _ = _squared_error(_hidden(model, b, hook), fit_exact[index].to(dtype), b)
-                count = b["attention_mask"].bool().sum() * fit_exact[index].shape[-1]
-                grads = torch.autograd.grad(e / count, leaves, allow_unused=True)
+                e, n = error_of(_hidden(model, b, hook), fit_exact[index].to(dtype), b)
+                grads = torch.autograd.grad(e / n, leaves, allow_unused=True)
             for leaf, grad in zip(leaves, grads, strict=True):
                 leaf.grad = torch.zeros_like(leaf) if grad is None else grad
             optimiser.step()
@@ -359,7 +384,7 @@ def refine(
     model.train(saved.training)
     record = dict(model.__dict__.get("_linattn_conversion") or {})
     record["refine"] = {
-        "steps": steps, "learning_rate": learning_rate, "kept_step": best[1],
+        "steps": steps, "learning_rate": learning_rate, "loss": loss, "kept_step": best[1],
         "validation_error": history, "seconds": time.perf_counter() - start,
     }  # fmt: skip
     model.__dict__["_linattn_conversion"] = record
