@@ -98,15 +98,10 @@ def _fitted_operands(
     if key not in _FITTED:
         if len(_FITTED) >= MAX_CACHED_MAPS:
             _FITTED.clear()
-        from linattn_numba.cpu.calls import fitted_operands
-
         try:
-            _, arrays = _dispatch.fitted_kernel_arrays(feature_map, shape, dtype)
+            _FITTED[key] = _dispatch.fitted_decode_operands(feature_map, shape, dtype)
         except ValueError:
             _FITTED[key] = None
-        else:
-            weights, biases, _ = fitted_operands(arrays, tuple(shape[:-2]), dtype)
-            _FITTED[key] = weights, biases
     return _FITTED[key]
 
 

@@ -643,6 +643,17 @@ def fitted_kernel_arrays(
     return np.zeros((0, shape[-1]), dtype), params
 
 
+def fitted_decode_operands(feature_map: FeatureMap, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A fitted map's ``(weights, biases)`` as the decoding kernel takes them for inputs of
+    ``shape`` (``linattn_numba.cpu.calls.fitted_operands``); ``ValueError`` where its
+    heads do not meet ``shape``."""
+    from linattn_numba.cpu.calls import fitted_operands
+
+    _, arrays = fitted_kernel_arrays(feature_map, shape, dtype)
+    weights, biases, _ = fitted_operands(arrays, tuple(shape[:-2]), dtype)
+    return weights, biases
+
+
 def _zeros_state(batch: tuple[int, ...], m: int, dv: int, dtype: Any) -> Any:
     import numpy as np
 
