@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from linattn import _dispatch
+from linattn import _dispatch, fitted
 from linattn.features import FeatureMap
 from linattn.state import LinearAttentionState
 
@@ -84,24 +84,39 @@ def map_constants(feature_map: FeatureMap, dtype: np.dtype) -> _MapConstants | N
     return _MAPS[key]
 
 
-#: Per (fingerprint, dtype, batch shape): a fitted map's kernel parameters.
-_FITTED: dict[tuple[str, np.dtype, tuple[int, ...]], tuple[np.ndarray, np.ndarray] | None] = {}
+#: Per (fingerprint, dtype, batch shape): a fitted map's kernel operands (``step``).
+_FITTED: dict[tuple[str, np.dtype, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
+#: Per (fingerprint, shape): whether a fitted map's heads meet inputs of that shape.
+_MEETS: dict[tuple[str, tuple[int, ...]], bool] = {}
+
+
+def _fitted_heads_meet(feature_map: FeatureMap, shape: tuple[int, ...]) -> bool:
+    """A fitted map's parameters broadcast to inputs of ``shape`` (else the general path
+    runs, and its checks raise the error)."""
+    key = (feature_map.fingerprint, tuple(shape))
+    if key not in _MEETS:
+        if len(_MEETS) >= MAX_CACHED_MAPS:
+            _MEETS.clear()
+        assert feature_map.parameters is not None
+        try:
+            fitted.kernel_parameters(feature_map.parameters, tuple(shape))
+        except ValueError:
+            _MEETS[key] = False
+        else:
+            _MEETS[key] = True
+    return _MEETS[key]
 
 
 def _fitted_operands(
     feature_map: FeatureMap, shape: tuple[int, ...], dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """A fitted map's ``(weights, biases)`` for inputs of ``shape`` as the kernel takes
-    them (:func:`linattn_numba.cpu.calls.fitted_operands`), or None where its heads do
-    not meet ``shape`` (the general path raises the error)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """A fitted map's ``(weights, biases)`` for inputs of ``shape``, as the kernel takes
+    them (:func:`linattn._dispatch.fitted_decode_operands`), kept per batch shape."""
     key = (feature_map.fingerprint, dtype, tuple(shape[:-2]))
     if key not in _FITTED:
         if len(_FITTED) >= MAX_CACHED_MAPS:
             _FITTED.clear()
-        try:
-            _FITTED[key] = _dispatch.fitted_decode_operands(feature_map, shape, dtype)
-        except ValueError:
-            _FITTED[key] = None
+        _FITTED[key] = _dispatch.fitted_decode_operands(feature_map, shape, dtype)
     return _FITTED[key]
 
 
@@ -152,7 +167,7 @@ def why_not(
     constants = map_constants(feature_map, dtype)
     if constants is None or shape[-1] != constants.head_dim:
         return "a map the fused pass does not compute"
-    if constants.fitted and _fitted_operands(feature_map, shape, dtype) is None:
+    if constants.fitted and not _fitted_heads_meet(feature_map, shape):
         return "a fitted map whose heads do not meet q"
     m = constants.num_features
     if (
