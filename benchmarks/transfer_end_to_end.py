@@ -15,6 +15,9 @@ kernels executor), before and after.
     python benchmarks/transfer_end_to_end.py --data docs --window 16 --steps 60
     python benchmarks/transfer_end_to_end.py --data docs --window 16 --steps 100 --loss pooled
 
+``--layers`` adds each layer's attention error on the TEST split, on the converted model's
+own activations (``layer_errors(..., activations="converted")``), before and after.
+
 The first row is window + sinks alone (every far weight 0) on the same path and texts, the
 baseline of the ``1 - cos`` ratios printed last.
 """
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import documents
 from transformers import AutoModel
 
-from linattn.integrations.transformers import refine
+from linattn.integrations.transformers import layer_errors, refine
 from linattn.models import load_model, resolve_model_path
 from linattn.models.convert import (
     attention_from_file,
@@ -67,6 +70,11 @@ def main() -> None:
     ap.add_argument("--fit-rows", type=int, default=None)
     ap.add_argument("--maps", default="/tmp/linattn-e2e-maps.safetensors")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--layers", action="store_true",
+        help="also each layer's attention error on the TEST split, on the converted "
+        "model's own activations, before and after refining",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     build = documents.documents if args.data == "docs" else documents.committed_texts
@@ -99,6 +107,23 @@ def main() -> None:
     for layer, fm in zip(model.encoder.layer, fitted.maps, strict=True):
         layer.attention.self.__dict__["_linattn_fitted"] = fm  # the NumPy fit's maps
 
+    test_inputs = [inputs(*b) for b in parts["test"]]
+
+    def layers() -> dict[str, list[float]]:
+        """Per layer, relative attention error (heads combined) on the converted model's
+        own activations: fitted, window + sinks on the same activations, their ratio."""
+        out: dict[str, list[float]] = {"fitted": [], "window_sinks": [], "ratio": []}
+        for entry in layer_errors(model, test_inputs, activations="converted"):
+            n = entry["exact_squared_norm"]
+            fitted, base = (
+                float(np.sqrt((entry[key] ** 2 * n).sum() / n.sum()))
+                for key in ("fitted", "exact_parts")
+            )
+            out["fitted"].append(round(fitted, 4))
+            out["window_sinks"].append(round(base, 4))
+            out["ratio"].append(round(fitted / base, 3))
+        return out
+
     def row(step: str) -> dict:
         out: dict[str, object] = {"step": step}
         for name in ("validation", "test"):
@@ -120,6 +145,8 @@ def main() -> None:
     for layer, fm in zip(model.encoder.layer, maps, strict=True):
         layer.attention.self.__dict__["_linattn_fitted"] = fm
     results.append(row("per-layer fit"))
+    if args.layers:
+        results[-1]["layers"] = layers()
     print(json.dumps(results[-1]), flush=True)
     start = time.perf_counter()
     refine(
@@ -130,6 +157,8 @@ def main() -> None:
     record = model.__dict__["_linattn_conversion"]["refine"]
     seconds = time.perf_counter() - start
     results.append({**row("refined"), "kept_step": record["kept_step"], "seconds": seconds})
+    if args.layers:
+        results[-1]["layers"] = layers()
     print(json.dumps(results[-1]), flush=True)
     base = 1 - results[0]["test_mean"]
     for entry in results[1:]:

@@ -110,10 +110,10 @@ def _first_and_last(mask: torch.Tensor) -> torch.Tensor:
     return exact
 
 
-def _reference(batch: dict[str, torch.Tensor], record: list | None = None):  # type: ignore[no-untyped-def]
+def _reference(batch: dict[str, torch.Tensor], record: list | None = None, exact: bool = True):  # type: ignore[no-untyped-def]
     """An attention implementation outside the integration: ``linear_attention`` with the
     module's fitted map and the front door's own grouping (or, with ``record``, SDPA,
-    keeping each layer's ``(q, k, v)``)."""
+    keeping each layer's ``(q, k, v)``; with ``exact=False`` too, the fitted attention)."""
     key_mask = batch["attention_mask"].bool()[:, None]  # (B, 1, L)
     exact_mask = _first_and_last(batch["attention_mask"])[:, None]
 
@@ -121,6 +121,7 @@ def _reference(batch: dict[str, torch.Tensor], record: list | None = None):  # t
         causal = bool(getattr(module, "is_causal", False))
         if record is not None:
             record.append((module, q, k, v, causal))
+        if record is not None and exact:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(
@@ -197,6 +198,50 @@ def test_convert_lowers_the_held_out_attention_error() -> None:
         # The library's own measure agrees.
         measured = layer_errors(model, [batch])[layer]
         assert np.all(measured["fitted"] < 0.5 * measured["exact_parts"]), measured
+
+
+def test_layer_errors_on_the_converted_models_own_activations() -> None:
+    """``activations="converted"``: each layer measured on the queries, keys and values the
+    converted model gives it (the layers before it converted), against exact softmax of
+    those."""
+    model, _ = _converted("bert")
+    modules = [layer.attention.self for layer in model.encoder.layer]
+    fitted_maps = [m.__dict__["_linattn_fitted"] for m in modules]
+    # Far weights of 30: each layer far from exact, so that the converted model's
+    # activations differ from the exact model's and the errors depend on them.
+    maps = [fm.with_parameters(far_weight=30.0) for fm in fitted_maps]
+    batch = _batch(5, batch=3)
+    record: list = []
+    try:
+        for module, fm in zip(modules, maps, strict=True):
+            module.__dict__["_linattn_fitted"] = fm
+        _run_with(model, "record-converted", _reference(batch, record, exact=False), batch)
+        measured = layer_errors(model, [batch], activations="converted")
+        on_exact = layer_errors(model, [batch])
+    finally:
+        for module, fm in zip(modules, fitted_maps, strict=True):
+            module.__dict__["_linattn_fitted"] = fm
+    real = batch["attention_mask"].bool()[:, None, :, None]
+    key_mask = batch["attention_mask"].bool()[:, None]
+    exact_mask = _first_and_last(batch["attention_mask"])[:, None]
+    assert len(record) == len(measured) == 2
+    for layer, ((_, q, k, v, _), fm) in enumerate(zip(record, maps, strict=True)):
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        exact = scores.masked_fill(~key_mask[..., None, :], -torch.inf).softmax(-1) @ v
+        fitted = la.linear_attention(
+            q, k, v, fm, key_mask=key_mask, window=WINDOW,
+            sink_keys=SINKS, exact_key_mask=exact_mask,
+        )  # fmt: skip
+        squared = [(x * real).square().sum(dim=(0, 2, 3)) for x in (fitted - exact, exact)]
+        per_head = (squared[0] / squared[1]).sqrt()
+        np.testing.assert_allclose(measured[layer]["fitted"], per_head.numpy(), rtol=2e-6)
+    # Layer 0 has the same inputs either way; layer 1 sees the converted layer 0's output.
+    # (layer 1's error barely moves with its inputs here: 5e-5 relative, 25 times the
+    # float32 agreement asked above).
+    np.testing.assert_allclose(measured[0]["fitted"], on_exact[0]["fitted"], rtol=1e-6)
+    assert np.all(np.abs(measured[1]["fitted"] / on_exact[1]["fitted"] - 1) > 2e-5)
+    with pytest.raises(ValueError, match="activations must be 'exact' or 'converted'"):
+        layer_errors(model, [batch], activations="refined")
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -407,26 +407,41 @@ def convert(
 
 
 def layer_errors(
-    model: Model, batches: Iterable[Mapping[str, Any]]
+    model: Model, batches: Iterable[Mapping[str, Any]], *, activations: str = "exact"
 ) -> list[dict[str, np.ndarray]]:
     """Each layer's attention error on ``batches`` (held-out texts), fitted and not.
 
-    Every layer's inputs are the exact model's; its output is compared with exact
-    softmax attention over the real query rows.
+    Each layer's output is compared with exact softmax attention of the same queries,
+    keys and values over the real query rows.
+
+    Parameters
+    ----------
+    model : transformers model
+        Converted (:func:`convert`, :func:`load_fitted`, perhaps refined).
+    batches : iterable of dict
+        Tokenizer outputs: ``input_ids`` and ``attention_mask``.
+    activations : {"exact", "converted"}
+        Where each layer's queries, keys and values come from: the exact model (every
+        layer before it exact, as stitching (a) fits them) or the converted model itself
+        (every layer before it converted: the activations the converted model runs on).
 
     Returns
     -------
     list of dict
         Per attention layer: ``"fitted"`` (the converted hybrid) and ``"exact_parts"``
         (window, sinks and exact keys alone: ``g = 0``), relative errors
-        ``||out - exact|| / ||exact||`` per query head, ``(H,)``.
+        ``||out - exact|| / ||exact||`` per query head, ``(H,)``, and
+        ``"exact_squared_norm"``, ``||exact||**2`` per head (the weights that combine
+        the heads' errors into the layer's: ``sqrt(sum(e**2 * n) / sum(n))``).
     """
     from linattn.transfer import attention_errors
 
+    if activations not in ("exact", "converted"):
+        raise ValueError(f"activations must be 'exact' or 'converted'; got {activations!r}")
     inputs = check_batches(batches, "batches")
     settings = dict(getattr(model.config, "linattn", None) or {})
     saved = save_state(model)
-    capture = _Capture("exact")
+    capture = _Capture(activations)
     results = []
     try:
         model.eval()
@@ -445,7 +460,11 @@ def layer_errors(
                 err, norm = attention_errors(fm, data, **parts)
                 base, _ = attention_errors(None, data, **parts)
                 results.append(
-                    {"fitted": np.sqrt(err / norm), "exact_parts": np.sqrt(base / norm)}
+                    {
+                        "fitted": np.sqrt(err / norm),
+                        "exact_parts": np.sqrt(base / norm),
+                        "exact_squared_norm": norm,
+                    }
                 )
     finally:
         model.train(saved.training)
