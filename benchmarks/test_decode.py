@@ -68,8 +68,9 @@ def test_step_latency(benchmark: Any, feature_map: la.FeatureMap, bench: Any, on
     constants = _decode.map_constants(feature_map, np.dtype(np.float32))
     assert constants is not None
     flat = [x.reshape(n, 1, dv) for x in token]
+    random_map = np.empty((n, 2, 0, 0), np.float32), np.empty((n, 2, 0), np.float32)
     ready = (*flat, np.ones((n, 1), bool), constants.projection, constants.consts, False,
-             state.kv.reshape(n, m, dv + 1), state.log_shift.reshape(n, m), 64,
+             *random_map, state.kv.reshape(n, m, dv + 1), state.log_shift.reshape(n, m), 64,
              np.empty((n, m, dv + 1), np.float32), np.empty((n, m), np.float32),
              np.empty((n, 1, dv), np.float32))  # fmt: skip
     serial = kernel._decode.dispatchers["serial"]

@@ -5,9 +5,14 @@ exact / mapped far-mass ratio as ``linattn.transfer`` does, 150 Adam steps of 4 
 documents), relative attention-output error on the TEST documents for the map as the
 library has it ("fitted") and with a learned linear shift of the log-features per query
 ("qscale": ``log phi(q) += q . a + c``), per key ("kscale": ``log phi(k) += k . a_k``) or
-both.  A measurement, not a library path.
+both.  Two more measure what limits the map rather than offering a path: "decay" damps
+the far weights by a learned ``exp(-r |t - j|)`` per head (what a scan could carry), and
+"same" attends exactly, besides the window and sinks, to every key holding the query's
+own token (an oracle: how much of the fitted map's error sits on repeated tokens).  A
+measurement, not a library path.
 
     python benchmarks/transfer_far_scale.py 0 150 fitted,qscale,kscale,both
+    python benchmarks/transfer_far_scale.py 0,2 150 fitted,decay,same
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ def masks(mask):
     return torch.tensor(exact & keep)[:, None], torch.tensor(keep & ~exact)[:, None]
 
 
-def forward(q, k, v, near, far, P, mode):
+def forward(q, k, v, near, far, P, mode, same=None):
+    if mode == "same":  # keys holding the query's own token: exact too
+        near, far = near | same, far & ~same
     s = q.shape[-1] ** -0.5
     logits = s * q @ k.transpose(-1, -2)
     if mode == "base":
@@ -70,6 +77,9 @@ def forward(q, k, v, near, far, P, mode):
     lfar = (
         torch.log((lq - mq).exp() @ (lk - mk).exp().transpose(-1, -2)) + mq + mk.transpose(-1, -2)
     )
+    if mode == "decay":
+        t = torch.arange(q.shape[-2], dtype=q.dtype)
+        lfar = lfar - P["rho"].exp()[:, None, None] * (t[:, None] - t[None, :]).abs()
     big = torch.where(near, logits, torch.where(far, lfar, torch.tensor(-torch.inf)))
     w = torch.softmax(big, -1)
     return w @ v
@@ -79,9 +89,10 @@ for layer in layer_ids:
 
     def lb(n, layer=layer):
         out = []
-        for h, (_, mask) in zip(hidden[n], data[n], strict=False):
+        for h, (ids, mask) in zip(hidden[n], data[n], strict=False):
             q, k, v = enc.qkv(h, layer)
             near, far = masks(mask)
+            same = far & torch.tensor(ids[:, :, None] == ids[:, None, :])[:, None]
             rows = torch.tensor(mask.astype(bool))[:, None, :, None]
             qt, kt, vt = (torch.tensor(np.asarray(x, np.float32)) for x in (q, k, v))
             exact = (
@@ -95,7 +106,7 @@ for layer in layer_ids:
                 )
                 @ vt
             )
-            out.append((qt, kt, vt, near, far, rows, exact))
+            out.append((qt, kt, vt, near, far, rows, exact, same))
         return out
 
     fit, test = lb("fit"), lb("test")
@@ -104,8 +115,8 @@ for layer in layer_ids:
     def err(P, mode, batches):
         num = den = 0.0
         with torch.no_grad():
-            for q, k, v, near, far, rows, exact in batches:
-                o = forward(q, k, v, near, far, P, mode)
+            for q, k, v, near, far, rows, exact, same in batches:
+                o = forward(q, k, v, near, far, P, mode, same)
                 num += (((o - exact) ** 2) * rows).sum().item()
                 den += ((exact**2) * rows).sum().item()
         return (num / den) ** 0.5
@@ -123,9 +134,10 @@ for layer in layer_ids:
             "a": torch.zeros(H, d),
             "c": torch.zeros(H),
             "ak": torch.zeros(H, d),
+            "rho": torch.full((H,), -6.0),
         }
         with torch.no_grad():  # g from the median exact / mapped far-mass ratio (batch 0)
-            q, k, v, near, far, rows, exact = fit[0]
+            q, k, v, near, far, rows, exact, _ = fit[0]
             s_ = d**-0.5
             ex = torch.where(far, (s_ * q @ k.transpose(-1, -2)).exp(), torch.tensor(0.0)).sum(-1)
             lq_u = q @ P["wq"]
@@ -142,8 +154,8 @@ for layer in layer_ids:
         opt = torch.optim.Adam(P.values(), lr=0.01)
         t0 = time.time()
         for step in range(steps):
-            q, k, v, near, far, rows, exact = fit[step % len(fit)]
-            o = forward(q, k, v, near, far, P, mode)
+            q, k, v, near, far, rows, exact, same = fit[step % len(fit)]
+            o = forward(q, k, v, near, far, P, mode, same)
             loss = (((o - exact) ** 2) * rows).sum() / rows.sum()
             opt.zero_grad()
             loss.backward()

@@ -46,11 +46,12 @@ from linattn_numba.cpu.exact import exact_rows, merge_into
 from linattn_numba.cpu.features import (
     FEATURE_BLOCK,
     LANES,
+    block_log_features,
+    feature_scratch,
     features_vjp,
     fitted_log_features,
     key_block,
     key_factors,
-    log_features,
     query_block,
     query_factors,
 )
@@ -88,16 +89,16 @@ def _workspace(span, m, rows, hyperbolic, width, dtype):
 
 
 @_jit()
-def _key_log_features(x, mask, projection, consts, hyperbolic, fitted, proj, lk):
-    """``lk = l(k)`` of one block of keys (:func:`linattn_numba.cpu.features.log_features`,
-    or with ``fitted = (weight, bias, scratch)`` ``fitted_log_features``; no far weight:
-    with no exact parts it cancels), ``-inf`` rows for masked keys."""
+def _key_log_features(x, mask, projection, consts, hyperbolic, fitted, lk):
+    """``lk = l(k)`` of one block of keys
+    (:func:`linattn_numba.cpu.features.block_log_features`: ``fitted = (weight, bias,
+    scratch)``, a fitted map's where ``weight`` has columns, the scratch
+    :func:`linattn_numba.cpu.features.feature_scratch` sizes; no far weight: with no exact
+    parts it cancels), ``-inf`` rows for masked keys."""
     weight, bias, scratch = fitted
-    if weight.shape[1] > 0:
-        zero = typed(0.0, consts[0])
-        fitted_log_features(x, weight, bias, zero, scratch[: x.shape[0]], lk)
-    else:
-        log_features(x, projection, consts, hyperbolic, proj, lk)
+    zero = typed(0.0, consts[0])
+    block_log_features(x, projection, consts, hyperbolic, weight, bias, zero,
+                       scratch[: x.shape[0]], lk)  # fmt: skip
     for j in range(lk.shape[0]):
         if not mask[j]:
             for r in range(lk.shape[1]):
@@ -125,7 +126,7 @@ def _absorb_all(k, v, mask, projection, consts, hyperbolic, fitted, kv, mu, work
     exp(mu - mu') S + phi^T [V | 1]`` as ``phi^T V`` (``d_v`` columns: ``d_v + 1`` runs
     as slowly as 80 in BLAS, measured) and ``phi``'s column sums.
     """
-    proj, feats, blocks, vecs, product = work
+    _, feats, blocks, vecs, product = work
     m, dv = mu.shape[0], v.shape[1]
     ms, top, shift, decay, sums = vecs[0][:m], vecs[1][:m], vecs[2][:m], vecs[3][:m], vecs[4][:m]
     span = feats.shape[1]
@@ -136,9 +137,7 @@ def _absorb_all(k, v, mask, projection, consts, hyperbolic, fitted, kv, mu, work
         n = s1 - s0
         lk = feats[0][:n]
         safe_shift(mu, ms)
-        _key_log_features(
-            k[s0:s1], mask[s0:s1], projection, consts, hyperbolic, fitted, proj[:n], lk
-        )
+        _key_log_features(k[s0:s1], mask[s0:s1], projection, consts, hyperbolic, fitted, lk)
         running_max(lk, mu, top)
         shift_between(mu, top, ms, shift, decay)
         _exp_rows(lk, shift, sums)
@@ -205,7 +204,7 @@ def _forward(
     for b in prange(batch):
         work = _workspace(span, m, projection.shape[0], hyperbolic, width, q.dtype)
         proj, feats, blocks, vecs, product = work
-        scratch = np.empty((span if fitted else 0, fitted_weights.shape[3]), q.dtype)
+        scratch = feature_scratch(span, projection, hyperbolic, fitted_weights[b, 1], q)
         keys = (fitted_weights[b, 1], fitted_biases[b, 1], scratch)
         _absorb_all(k[b], v[b], mask[b], projection, consts, hyperbolic, keys, kv[b], mu[b], work)
         ms, z, den, lanes = vecs[0][:m], vecs[1][:m], vecs[2][:span], vecs[5][:LANES]

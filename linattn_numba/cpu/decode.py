@@ -49,7 +49,7 @@ from linattn_numba.cpu.chunks import (
     running_max,
     shift_between,
 )
-from linattn_numba.cpu.features import fitted_log_features, log_features
+from linattn_numba.cpu.features import block_log_features, feature_scratch
 from linattn_numba.cpu.scalars import safe_shift, typed
 
 __all__ = ["decode_step"]
@@ -111,31 +111,27 @@ def _readout_then_update(u, intra, phi, va, kv, decay, weight_state, block, stat
 
 @_machinery.Variants
 def _decode(
-    q, k, v, mask, projection, consts, hyperbolic, fitted, fitted_weights, fitted_biases, kv,
-    mu, chunk, kv_out, mu_out, out,
+    q, k, v, mask, projection, consts, hyperbolic, fitted_weights, fitted_biases, kv, mu, chunk,
+    kv_out, mu_out, out,
 ):  # fmt: skip
     """Heads ``b`` of ``L`` new tokens each: features, attention, normalisation, state.
-    ``fitted``: a fitted map's features, from ``fitted_weights[b, 0 | 1]`` and
-    ``fitted_biases[b, 0 | 1]`` (queries, keys), as the fused pass computes them."""
+    Where ``fitted_weights`` has columns, a fitted map's features, from
+    ``fitted_weights[b, 0 | 1]`` and ``fitted_biases[b, 0 | 1]`` (queries, keys), as the
+    fused pass computes them; else ``projection``'s."""
     batch, length, _ = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
-    rows = projection.shape[0]
     dtype = q.dtype
+    zero = typed(0.0, consts[0])
     for b in prange(batch):
         lq = np.empty((length, m), dtype)
         lk = np.empty((length, m), dtype)
-        proj = np.empty((length if hyperbolic else 0, rows), dtype)
         va = np.empty((length, dv + 1), dtype)
         block = np.empty((length, dv + 1), dtype)
-        if fitted:
-            scratch = np.empty((length, m // 2), dtype)
-            fw, fb, zero = fitted_weights[b], fitted_biases[b], typed(0.0, consts[0])
-            fitted_log_features(q[b], fw[0], fb[0], zero, scratch, lq)
-            fitted_log_features(k[b], fw[1], fb[1], zero, scratch, lk)
-        else:
-            log_features(q[b], projection, consts, hyperbolic, proj, lq)
-            log_features(k[b], projection, consts, hyperbolic, proj, lk)
+        fw, fb = fitted_weights[b], fitted_biases[b]
+        proj = feature_scratch(length, projection, hyperbolic, fw[0], q)
+        block_log_features(q[b], projection, consts, hyperbolic, fw[0], fb[0], zero, proj, lq)
+        block_log_features(k[b], projection, consts, hyperbolic, fw[1], fb[1], zero, proj, lk)
         for i in range(length):
             for e in range(dv):
                 va[i, e] = v[b, i, e]
@@ -225,10 +221,8 @@ def decode_step(
     kv_out = np.empty((n, m, dv + 1), dtype)
     mu_out = np.empty((n, m), dtype)
     if fitted is None:
-        fitted_args = (False, np.empty((n, 2, 0, 0), dtype), np.empty((n, 2, 0), dtype))
-    else:
-        fitted_args = (True, *fitted)
-    args = (qf, kf, vf, mask, projection, consts, hyperbolic, *fitted_args, kv_in, mu_in,
+        fitted = np.empty((n, 2, 0, 0), dtype), np.empty((n, 2, 0), dtype)
+    args = (qf, kf, vf, mask, projection, consts, hyperbolic, *fitted, kv_in, mu_in,
             chunk_size)  # fmt: skip
     variant = _machinery.choose_variant(n, length, m * (dv + 1))
     if variant == "serial":  # one thread: BLAS's own threads fight nobody

@@ -18,7 +18,9 @@ from linattn_numba.cpu.scalars import fast_exp
 __all__ = [
     "FEATURE_BLOCK",
     "LANES",
+    "block_log_features",
     "exp_row",
+    "feature_scratch",
     "features_vjp",
     "fitted_log_features",
     "key_block",
@@ -103,6 +105,29 @@ def fitted_log_features(x, weight, bias, shift, proj, out):
         for r in range(n):
             out[i, r] = proj[i, r] - offset
             out[i, n + r] = -proj[i, r] - offset
+
+
+@_jit()
+def block_log_features(x, projection, consts, hyperbolic, weight, bias, shift, proj, out):
+    """Log-features of one block, the one place that tells a fitted map from a random
+    one, by ``weight``: with columns (``(d, m/2)``) a fitted map's
+    (:func:`fitted_log_features`, with ``bias`` and ``shift``, a key head's ``log g`` or
+    0), empty (``(0, 0)``) ``projection``'s random features (:func:`log_features`).
+    ``proj`` is the scratch :func:`feature_scratch` sizes."""
+    if weight.shape[1] > 0:
+        fitted_log_features(x, weight, bias, shift, proj, out)
+    else:
+        log_features(x, projection, consts, hyperbolic, proj, out)
+
+
+@_jit()
+def feature_scratch(rows, projection, hyperbolic, weight, like):
+    """Scratch ``proj`` of :func:`block_log_features` for ``rows`` tokens, ``like``'s
+    dtype: ``(rows, m/2)`` for a fitted map, ``(rows, P)`` for the hyperbolic kind,
+    empty for the positive kind (which projects into its output)."""
+    if weight.shape[1] > 0:
+        return np.empty((rows, weight.shape[1]), like.dtype)
+    return np.empty((rows if hyperbolic else 0, projection.shape[0]), like.dtype)
 
 
 #: The fused pass computes features for this many tokens at a time (whole chunks): the

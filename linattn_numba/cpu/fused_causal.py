@@ -24,7 +24,7 @@ from linattn_numba.cpu.arrays import (
 )
 from linattn_numba.cpu.calls import CausalFusedCall, check_fitted, fitted_operands
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
-from linattn_numba.cpu.features import FEATURE_BLOCK, fitted_log_features, log_features
+from linattn_numba.cpu.features import FEATURE_BLOCK, block_log_features, feature_scratch
 from linattn_numba.cpu.scalars import typed
 
 __all__ = ["favor_causal", "forward"]
@@ -32,26 +32,27 @@ __all__ = ["favor_causal", "forward"]
 
 @_machinery.Variants
 def _forward_fused(
-    q, k, v, mask, projection, consts, hyperbolic, fitted, fitted_weights, fitted_biases, kv,
-    mu, chunk, out, lse,
+    q, k, v, mask, projection, consts, hyperbolic, fitted_weights, fitted_biases, kv, mu, chunk,
+    out, lse,
 ):  # fmt: skip
     """Features, causal attention and normalisation per block: no ``L x m`` array anywhere.
 
     ``lse`` (``(batch, L)``, or ``(batch, 0)`` to skip it) gets the log of each row's true
-    denominator, ``-inf`` where the row sees no key.  ``fitted``: the features are a fitted
-    map's, row ``b``'s query and key parameters ``fitted_weights[b, 0 | 1]`` and
-    ``fitted_biases[b, 0 | 1]`` (no far weight: with no exact parts it cancels).
+    denominator, ``-inf`` where the row sees no key.  The features are a fitted map's where
+    ``fitted_weights`` has columns, row ``b``'s query and key parameters
+    ``fitted_weights[b, 0 | 1]`` and ``fitted_biases[b, 0 | 1]`` (no far weight: with no
+    exact parts it cancels), else ``projection``'s.
     """
     batch, length, _ = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
-    rows = projection.shape[0]
     dtype = q.dtype
     span = chunk * max(1, FEATURE_BLOCK // chunk)
+    zero = typed(0.0, consts[0])
     for b in prange(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, dv + 1, dtype)
-        proj = np.empty((span if hyperbolic else 0, rows), dtype)
-        fitted_proj = np.empty((span if fitted else 0, m // 2), dtype)
+        fw, fb = fitted_weights[b], fitted_biases[b]
+        proj = feature_scratch(span, projection, hyperbolic, fw[0], q)
         lq = np.empty((span, m), dtype)
         lk = np.empty((span, m), dtype)
         va = np.empty((span, dv + 1), dtype)
@@ -59,13 +60,10 @@ def _forward_fused(
         for s0 in range(0, length, span):
             s1 = min(s0 + span, length)
             n = s1 - s0
-            if fitted:
-                fw, fb, zero = fitted_weights[b], fitted_biases[b], typed(0.0, consts[0])
-                fitted_log_features(q[b][s0:s1], fw[0], fb[0], zero, fitted_proj[:n], lq[:n])
-                fitted_log_features(k[b][s0:s1], fw[1], fb[1], zero, fitted_proj[:n], lk[:n])
-            else:
-                log_features(q[b][s0:s1], projection, consts, hyperbolic, proj[:n], lq[:n])
-                log_features(k[b][s0:s1], projection, consts, hyperbolic, proj[:n], lk[:n])
+            block_log_features(q[b][s0:s1], projection, consts, hyperbolic, fw[0], fb[0], zero,
+                               proj[:n], lq[:n])  # fmt: skip
+            block_log_features(k[b][s0:s1], projection, consts, hyperbolic, fw[1], fb[1], zero,
+                               proj[:n], lk[:n])  # fmt: skip
             for i in range(n):
                 for e in range(dv):
                     va[i, e] = v[b, s0 + i, e]
@@ -190,8 +188,7 @@ def favor_causal(
     with _machinery.single_threaded_blas():
         _forward_fused.run(
             variant, qf, kf, vf, maskf, scaled_projection, consts, bool(hyperbolic),
-            fitted is not None, *fitted_operands(fitted, tuple(batch), dtype)[:2], state, mu,
-            chunk, out, lse,
+            *fitted_operands(fitted, tuple(batch), dtype)[:2], state, mu, chunk, out, lse,
         )  # fmt: skip
     results = (
         out.reshape((*batch, length, dv)),
@@ -262,8 +259,7 @@ def forward(
     lse = np.empty((call.n, call.length), call.dtype)
     with _machinery.single_threaded_blas():
         _forward_fused.run(
-            call.variant, *call.operands(), False, *call.fitted[:2], state, mu, call.chunk,
-            out, lse,
+            call.variant, *call.operands(), *call.fitted[:2], state, mu, call.chunk, out, lse,
         )  # fmt: skip
     results = call.shaped_results(out, state, mu, lse)
     return results[0], results[1], results[2], results[3]

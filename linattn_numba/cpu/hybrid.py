@@ -61,7 +61,7 @@ from linattn_numba.cpu.arrays import DTYPES, chunk_length, contiguous, readonly,
 from linattn_numba.cpu.calls import check_fitted, fitted_operands
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
 from linattn_numba.cpu.exact import exact_chunk, exact_rows, in_band, merge_into
-from linattn_numba.cpu.features import FEATURE_BLOCK, fitted_log_features, log_features
+from linattn_numba.cpu.features import FEATURE_BLOCK, block_log_features, feature_scratch
 
 __all__ = ["BLOCKED_SPAN", "bidirectional_forward", "causal_forward"]
 
@@ -111,27 +111,27 @@ def _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, prese
 @_machinery.Variants
 def _forward(
     q, k, v, keep, recent, recent_values, sinks, sink_values, visible, projection, consts,
-    window_consts, hyperbolic, fitted, fitted_weights, fitted_biases, key_shift, kv, mu, later_kv,
+    window_consts, hyperbolic, fitted_weights, fitted_biases, key_shift, kv, mu, later_kv,
     later_mu, chunk, lag, back, ahead, bidirectional, out,
 ):  # fmt: skip
     """All heads.  Causal: one forward scan of the far keys (lag ``lag``) and the exact
     window ``[t - back, t + ahead]``.  Bidirectional: first a reverse scan of the keys
     ``j >= t + lag`` (from the state ``later_kv``, ``later_mu``) into per-query rows, then
-    the forward scan, which merges them.  ``fitted``: the far part's features are a
-    fitted map's, row ``b``'s query and key parameters ``fitted_weights[b, 0 | 1]``,
-    ``fitted_biases[b, 0 | 1]`` and its key head's ``log g``, ``key_shift[b]``."""
+    the forward scan, which merges them.  Where ``fitted_weights`` has columns the far
+    part's features are a fitted map's, row ``b``'s query and key parameters
+    ``fitted_weights[b, 0 | 1]``, ``fitted_biases[b, 0 | 1]`` and its key head's ``log
+    g``, ``key_shift[b]``; else ``projection``'s."""
     batch, length, d = q.shape
     dv = v.shape[2]
     m = kv.shape[1]
-    rows = projection.shape[0]
     dtype = q.dtype
     block_rows = chunk * max(1, FEATURE_BLOCK // chunk)
     span = back + ahead + 1
     first = recent.shape[1]
     for b in prange(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, dv + 1, dtype)
-        proj = np.empty((block_rows if hyperbolic else 0, rows), dtype)
-        fitted_proj = np.empty((block_rows if fitted else 0, m // 2), dtype)
+        fw, fb, shift = fitted_weights[b], fitted_biases[b], key_shift[b]
+        proj = feature_scratch(block_rows, projection, hyperbolic, fw[0], q)
         lq = np.empty((block_rows, m), dtype)
         lk = np.empty((block_rows, m), dtype)
         qx = np.empty((block_rows if bidirectional else 0, d), dtype)
@@ -164,14 +164,10 @@ def _forward(
                 n = s1 - s0
                 _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, present)
                 queries = qx[:n] if reverse else qb[s0:s1]
-                if fitted:
-                    fw, fb, shift = fitted_weights[b], fitted_biases[b], key_shift[b]
-                    fp = fitted_proj
-                    fitted_log_features(queries, fw[0], fb[0], shift - shift, fp[:n], lq[:n])
-                    fitted_log_features(kx[:n], fw[1], fb[1], shift, fp[:n], lk[:n])
-                else:
-                    log_features(queries, projection, consts, hyperbolic, proj[:n], lq[:n])
-                    log_features(kx[:n], projection, consts, hyperbolic, proj[:n], lk[:n])
+                block_log_features(queries, projection, consts, hyperbolic, fw[0], fb[0],
+                                   shift - shift, proj[:n], lq[:n])  # fmt: skip
+                block_log_features(kx[:n], projection, consts, hyperbolic, fw[1], fb[1], shift,
+                                   proj[:n], lk[:n])  # fmt: skip
                 for i in range(n):
                     if not present[i]:
                         for r in range(m):
@@ -299,7 +295,7 @@ def _launch(
             flat("q", 2), flat("k", 2), flat("v", 2), flat("keep", 1), flat("recent", 2),
             flat("recent_values", 2), flat("sinks", 2), flat("sink_values", 2),
             flat("visible", 2), scaled_projection, consts, window_consts, bool(hyperbolic),
-            fitted is not None, *parameters,
+            *parameters,
             kv, mu, *later, chunk, lag, back, ahead, later[0].shape[1] > 0, out,
         )  # fmt: skip
     return out.reshape((*batch, length, dv))
