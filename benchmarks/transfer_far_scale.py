@@ -4,15 +4,17 @@ prototype of one layer's attention transfer (512-token documents, window 16 + [C
 exact / mapped far-mass ratio as ``linattn.transfer`` does, 150 Adam steps of 4 FIT
 documents), relative attention-output error on the TEST documents for the map as the
 library has it ("fitted") and with a learned linear shift of the log-features per query
-("qscale": ``log phi(q) += q . a + c``), per key ("kscale": ``log phi(k) += k . a_k``) or
-both.  Two more measure what limits the map rather than offering a path: "decay" damps
-the far weights by a learned ``exp(-r |t - j|)`` per head (what a scan could carry), and
-"same" attends exactly, besides the window and sinks, to every key holding the query's
-own token (an oracle: how much of the fitted map's error sits on repeated tokens).  A
-measurement, not a library path.
+("qscale": ``log phi(q) += q . a + c``), per key ("kscale": ``log phi(k) += k . a_k``),
+both, or by the row's largest near logit ("rowmax": LoLCATs' form, whose near weights
+are stabilised by their row maximum and its far weights not).  Two more measure what
+limits the map rather than offering a path: "decay" damps the far weights by a learned
+``exp(-r |t - j|)`` per head (what a scan could carry), and "same" attends exactly,
+besides the window and sinks, to every key holding the query's own token (an oracle:
+how much of the fitted map's error sits on repeated tokens).  A measurement, not a
+library path.
 
     python benchmarks/transfer_far_scale.py 0 150 fitted,qscale,kscale,both
-    python benchmarks/transfer_far_scale.py 0,2 150 fitted,decay,same
+    python benchmarks/transfer_far_scale.py 0,2 150 fitted,rowmax,decay,same
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def forward(q, k, v, near, far, P, mode, same=None):
     lfar = (
         torch.log((lq - mq).exp() @ (lk - mk).exp().transpose(-1, -2)) + mq + mk.transpose(-1, -2)
     )
+    if mode == "rowmax":  # LoLCATs' form: near weights stabilised by their row maximum
+        lfar = lfar + torch.where(near, logits, torch.tensor(-torch.inf)).amax(-1, keepdim=True)
     if mode == "decay":
         t = torch.arange(q.shape[-2], dtype=q.dtype)
         lfar = lfar - P["rho"].exp()[:, None, None] * (t[:, None] - t[None, :]).abs()
@@ -146,6 +150,9 @@ for layer in layer_ids:
             fk = torch.softmax(torch.cat([lk_u, -lk_u], -1), -1)
             mp = torch.where(far, fq @ fk.transpose(-1, -2), torch.tensor(0.0)).sum(-1)
             ratio = (ex / mp.clamp_min(1e-30)).log()
+            if mode == "rowmax":  # the far weights carry the row's largest near logit
+                logits = s_ * q @ k.transpose(-1, -2)
+                ratio = ratio - torch.where(near, logits, torch.tensor(-torch.inf)).amax(-1)
             sel = rows[..., 0].expand_as(ratio) & (mp > 0)
             for h in range(H):
                 P["lg"][h] = ratio[:, h][sel[:, h]].median()
