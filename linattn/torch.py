@@ -8,6 +8,9 @@ projection is a registered buffer, so it is saved in ``state_dict``, moved by
 ``seed`` plus a draw counter (also a buffer), so every rank draws the same matrix.
 A fitted map's parameters (``feature_map=``, :mod:`linattn.fitted`) are buffers likewise:
 fitted by :mod:`linattn.transfer` with the model frozen, not trained by the layer.
+:func:`fitted_attention` is the call to train them with torch's autograd: the map's
+parameters are tensors, and their gradients come from
+:func:`linattn.linear_attention_vjp` (``parameters=True``).
 Importing :mod:`linattn` never imports this module (or torch).
 """
 
@@ -27,14 +30,133 @@ from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap, Kind
 from linattn.projections import Norms, gaussian_projection
 from linattn.state import LinearAttentionState
+from linattn.vjp import linear_attention_vjp
 
-__all__ = ["FastAttention", "MultiheadAttention"]
+__all__ = ["FastAttention", "MultiheadAttention", "fitted_attention"]
 
 #: The hybrid's options (:mod:`linattn.hybrid`), passed to :func:`linattn.linear_attention`.
 HYBRID_OPTIONS = ("window", "sink_keys")
 
 #: A fitted map's parameters, one buffer each (``key_*`` are ``None`` for tied maps).
 FITTED_BUFFERS = ("query_weight", "query_bias", "key_weight", "key_bias", "far_weight")
+
+
+def fitted_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_weight: torch.Tensor,
+    query_bias: torch.Tensor | None = None,
+    *,
+    key_weight: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
+    far_weight: torch.Tensor | float | None = None,
+    tied: bool = False,
+    causal: bool = False,
+    key_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    sink_keys: int = 0,
+    exact_key_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """:func:`linattn.linear_attention` with a fitted map whose parameters are tensors,
+    differentiable in them as in ``q``, ``k`` and ``v``.
+
+    The map is :meth:`linattn.FeatureMap.fitted` of the parameters' values (checked
+    there: shapes, heads, ``far_weight >= 0``); the forward pass is
+    :func:`linattn.linear_attention`'s (its compiled kernels included), the backward pass
+    :func:`linattn.linear_attention_vjp` with ``parameters=True``.  So a training loop
+    fits maps and far weights on the library's own path, in ``O(L)`` memory, with the
+    model's weights frozen or not.  ``far_weight`` must stay non-negative: parametrise
+    it (``far_weight=log_g.exp()``); a head with ``g = 0`` has chosen the exact parts
+    and gets no gradient.
+
+    Parameters
+    ----------
+    q, k, v : torch.Tensor
+        As for :func:`linattn.linear_attention`.
+    query_weight, query_bias, key_weight, key_bias, far_weight, tied, scale
+        As for :meth:`linattn.FeatureMap.fitted` (``key_*`` absent when ``tied``);
+        tensors, gradients for those that require them.
+    causal, key_mask, window, sink_keys, exact_key_mask, chunk_size, backend
+        As for :func:`linattn.linear_attention`.
+
+    Returns
+    -------
+    torch.Tensor
+        The attention output, ``(..., L, d_v)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from linattn.torch import fitted_attention
+    >>> w = torch.eye(4).repeat(2, 1, 1).requires_grad_()  # 2 heads, d = 4, m = 8
+    >>> q = k = v = torch.randn(1, 2, 6, 4)
+    >>> out = fitted_attention(q, k, v, w, tied=True, window=2, sink_keys=1)
+    >>> out.sum().backward()
+    >>> w.grad.shape
+    torch.Size([2, 4, 4])
+    """
+    parameters = (query_weight, query_bias, key_weight, key_bias, far_weight)
+    options = {
+        "tied": tied, "scale": scale, "causal": causal, "key_mask": key_mask, "window": window,
+        "sink_keys": sink_keys, "exact_key_mask": exact_key_mask, "chunk_size": chunk_size,
+        "backend": backend,
+    }  # fmt: skip
+    out: torch.Tensor = _FittedAttention.apply(options, q, k, v, *parameters)
+    return out
+
+
+class _FittedAttention(torch.autograd.Function):
+    """``linear_attention`` forward, ``linear_attention_vjp(parameters=True)`` backward."""
+
+    @staticmethod
+    def _map(options: dict[str, Any], parameters: tuple[Any, ...]) -> FeatureMap:
+        values = {
+            name: value.detach() if isinstance(value, torch.Tensor) else value
+            for name, value in zip(FITTED_BUFFERS, parameters, strict=True)
+        }
+        return FeatureMap.fitted(
+            values.pop("query_weight"), **values, tied=options["tied"], scale=options["scale"]
+        )
+
+    @staticmethod
+    def _call_options(options: dict[str, Any]) -> dict[str, Any]:
+        return {name: value for name, value in options.items() if name not in ("tied", "scale")}
+
+    @staticmethod
+    def forward(
+        ctx: Any, options: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        *parameters: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        feature_map = _FittedAttention._map(options, parameters)
+        ctx.feature_map, ctx.options = feature_map, options
+        ctx.parameters = parameters
+        ctx.save_for_backward(q, k, v)
+        out: torch.Tensor = linear_attention(
+            q, k, v, feature_map, **_FittedAttention._call_options(options)
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv, d_parameters = linear_attention_vjp(
+            q, k, v, ctx.feature_map, grad.contiguous(), parameters=True,
+            **_FittedAttention._call_options(ctx.options),
+        )  # fmt: skip
+        out: list[Any] = [None, dq, dk, dv]
+        for name, value in zip(FITTED_BUFFERS, ctx.parameters, strict=True):
+            wanted = isinstance(value, torch.Tensor) and value.requires_grad
+            cotangent = d_parameters.get(name)
+            out.append(
+                torch.as_tensor(cotangent, dtype=value.dtype, device=value.device)
+                if wanted and cotangent is not None
+                else None
+            )
+        return tuple(out)
 
 
 class FastAttention(nn.Module):

@@ -567,6 +567,69 @@ def test_attention_vjp_parameters_match_finite_differences() -> None:
         la.linear_attention_vjp(q, k, v, la.FeatureMap(D, 8), grad, parameters=True)
 
 
+def test_torch_fitted_attention_differentiates_the_parameters() -> None:
+    """``linattn.torch.fitted_attention``: torch autograd in q, k, v and every parameter
+    equals ``linear_attention_vjp(parameters=True)`` (held to finite differences above),
+    on the compiled kernels and on the array-API path; a ``g = 0`` head's far weight gets
+    0, a tensor that does not require gradients none."""
+    torch = pytest.importorskip("torch")
+    from linattn.torch import fitted_attention
+
+    rng = np.random.default_rng(12)
+    exact = EXACT_MASK[:5]
+    cases = [
+        (_map(rng, 4, 2, [0.7, 1.9]), 4, 2, {"causal": True}),
+        (_map(rng, 4, 2, [0.0, 1.9]), 4, 2, {"causal": False, **HYBRID, "exact_key_mask": exact}),
+        (_map(rng, None, None, 0.6, tied=True), 2, 2, {"causal": True, **HYBRID}),
+    ]
+    seen = set()
+    for fm, heads, kv_heads, options in cases:
+        q, k, v = _inputs(rng, heads, kv_heads, length=5)
+        grad = rng.normal(size=(1, heads, 5, DV))
+        *expected_inputs, expected = la.linear_attention_vjp(
+            q, k, v, fm, grad, parameters=True, **options
+        )
+        arrays = fm.parameters.arrays()
+        tensors = {
+            name: torch.tensor(np.array(x), requires_grad=True) for name, x in arrays.items()
+        }
+        t_options = {
+            n: torch.tensor(x) if isinstance(x, np.ndarray) else x for n, x in options.items()
+        }
+        for backend in (None, "array_api"):
+            inputs = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+            seen.add(la.plan_attention(*inputs, fm, backend=backend, **t_options).executor)
+            out = fitted_attention(
+                *inputs, **tensors, tied=fm.parameters.tied, backend=backend, **t_options
+            )
+            _close(out.detach().numpy(), la.linear_attention(q, k, v, fm, **options))
+            (out * torch.tensor(grad)).sum().backward()
+            for tensor, want in zip(inputs, expected_inputs, strict=True):
+                _close(tensor.grad.numpy(), want)
+            for name, tensor in tensors.items():
+                np.testing.assert_allclose(
+                    tensor.grad.numpy(), expected[name], rtol=1e-9, atol=1e-12, err_msg=name
+                )
+                tensor.grad = None
+        if options.get("exact_key_mask") is not None:  # the g = 0 head chose the exact parts
+            assert expected["far_weight"][0] == 0.0 and expected["far_weight"][1] != 0.0
+    if _dispatch.numpy_kernels_why_not() is None:
+        assert "torch-kernels" in seen
+    # Only what requires gradients gets one; float32 parameters get float32 gradients.
+    fm, heads, kv_heads, options = cases[1]
+    q, k, v = (torch.tensor(a, dtype=torch.float32) for a in _inputs(rng, heads, kv_heads, 5))
+    arrays = fm.parameters.arrays()
+    tensors = {name: torch.tensor(np.array(x), dtype=torch.float32) for name, x in arrays.items()}
+    tensors["key_weight"].requires_grad_()
+    options = {**options, "exact_key_mask": torch.tensor(exact)}
+    fitted_attention(q.requires_grad_(), k, v, **tensors, **options).sum().backward()
+    assert tensors["key_weight"].grad.dtype == torch.float32
+    assert all(t.grad is None for n, t in tensors.items() if n != "key_weight")
+    assert k.grad is None and q.grad is not None
+    with pytest.raises(ValueError, match="far_weight must be non-negative"):
+        fitted_attention(q, k, v, **{**tensors, "far_weight": torch.tensor([-0.1, 1.0])})
+
+
 def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
