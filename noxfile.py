@@ -30,7 +30,7 @@ nox.options.error_on_missing_interpreters = False
 
 PYTHON = "3.11"
 #: Modules that import a framework (or the models extra): doctested in their sessions.
-FRAMEWORK_MODULES = ("torch.py", "flax.py", "integrations", "models")
+FRAMEWORK_MODULES = ("torch.py", "flax.py", "jax.py", "integrations", "models")
 TORCH = "torch==2.13.0"
 #: The dependency groups of ``pyproject.toml`` (one list for nox, pip and uv).
 PYPROJECT = nox.project.load_toml("pyproject.toml")
@@ -145,8 +145,9 @@ def torch(session: nox.Session) -> None:
 
 @session
 def jax(session: nox.Session) -> None:
-    """JAX arrays on the CPU, autodiff included."""
+    """JAX arrays on the CPU, autodiff included; ``linattn.jax``'s doctests."""
     _test(session, "jax", "jax>=0.4.32")
+    session.run("pytest", "--doctest-modules", "linattn/jax.py", "-p", "no:cacheprovider")
 
 
 @session

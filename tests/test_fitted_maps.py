@@ -630,6 +630,53 @@ def test_torch_fitted_attention_differentiates_the_parameters() -> None:
         fitted_attention(q, k, v, **{**tensors, "far_weight": torch.tensor([-0.1, 1.0])})
 
 
+def test_jax_fitted_attention_differentiates_the_parameters() -> None:
+    """``linattn.jax.fitted_attention``: ``jax.grad`` (eager and under ``jax.jit``) in q,
+    k, v and every parameter equals ``linear_attention_vjp(parameters=True)``; masks are
+    arguments, a ``g = 0`` head's far weight gets 0."""
+    jax = pytest.importorskip("jax")
+    from linattn.jax import fitted_attention
+
+    jnp = jax.numpy
+    rng = np.random.default_rng(13)
+    exact = EXACT_MASK[:5]
+    key_mask = np.array([True, True, True, True, False])
+    cases = [
+        (_map(rng, 4, 2, [0.7, 1.9]), 4, 2, {"causal": True, "key_mask": key_mask}),
+        (_map(rng, 4, 2, [0.0, 1.9]), 4, 2, {"causal": False, **HYBRID, "exact_key_mask": exact}),
+        (_map(rng, None, None, 0.6, tied=True), 2, 2, {"causal": True, **HYBRID}),
+    ]
+    with jax.enable_x64(True):
+        for fm, heads, kv_heads, options in cases:
+            q, k, v = _inputs(rng, heads, kv_heads, length=5)
+            grad = rng.normal(size=(1, heads, 5, DV))
+            *expected_inputs, expected = la.linear_attention_vjp(
+                q, k, v, fm, grad, parameters=True, **options
+            )
+            tied = fm.parameters.tied
+            arrays = {n: jnp.asarray(x) for n, x in fm.parameters.arrays().items()}
+            j_options = {
+                n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in options.items()
+            }
+
+            def loss(inputs, parameters, j_options=j_options, tied=tied, g=grad):
+                out = fitted_attention(*inputs, **parameters, tied=tied, **j_options)
+                return jnp.sum(jnp.asarray(g) * out)
+
+            inputs = tuple(jnp.asarray(a) for a in (q, k, v))
+            out = fitted_attention(*inputs, **arrays, tied=tied, **j_options)
+            _close(out, la.linear_attention(q, k, v, fm, **options))
+            for differentiate in (jax.grad(loss, (0, 1)), jax.jit(jax.grad(loss, (0, 1)))):
+                d_inputs, d_parameters = differentiate(inputs, arrays)
+                for got, want in zip(d_inputs, expected_inputs, strict=True):
+                    _close(got, want)
+                assert sorted(d_parameters) == sorted(expected)
+                for name, got in d_parameters.items():
+                    np.testing.assert_allclose(got, expected[name], rtol=1e-9, atol=1e-12)
+            if "exact_key_mask" in options:  # the g = 0 head chose the exact parts
+                assert expected["far_weight"][0] == 0.0 and expected["far_weight"][1] != 0.0
+
+
 def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
