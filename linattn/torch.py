@@ -69,9 +69,9 @@ def fitted_attention(
     :func:`linattn.linear_attention`'s (its compiled kernels included), the backward pass
     :func:`linattn.linear_attention_vjp` with ``parameters=True``.  So a training loop
     fits maps and far weights on the library's own paths (no dense ``L x L``
-    re-implementation), with the model's weights frozen or not.  ``far_weight`` must stay non-negative: parametrise
-    it (``far_weight=log_g.exp()``); a head with ``g = 0`` has chosen the exact parts
-    and gets no gradient.
+    re-implementation), with the model's weights frozen or not.  ``far_weight`` must
+    stay non-negative: parametrise it (``far_weight=log_g.exp()``); a head with ``g =
+    0`` has chosen the exact parts and gets no gradient.
 
     Parameters
     ----------

@@ -305,6 +305,7 @@ def test_torch_outputs_gradients_and_kernels() -> None:
 # -- 4. JAX, Dask, array-api-strict ----------------------------------------------------
 
 
+@pytest.mark.needs("jax")
 def test_jax_jit_and_grad() -> None:
     """Outputs and ``jax.grad`` w.r.t. q in one jitted function (one compile a case)."""
     jax = pytest.importorskip("jax")
@@ -333,6 +334,7 @@ def test_jax_jit_and_grad() -> None:
             _close(dq, expected[0])
 
 
+@pytest.mark.needs("dask")
 def test_dask_chunks_along_the_sequence_and_the_heads() -> None:
     """Per-head parameters with the head axis chunked: each block's call needs every
     head, so the graph holds the head axes whole (never a block with another head's
@@ -630,6 +632,7 @@ def test_torch_fitted_attention_differentiates_the_parameters() -> None:
         fitted_attention(q, k, v, **{**tensors, "far_weight": torch.tensor([-0.1, 1.0])})
 
 
+@pytest.mark.needs("jax")
 def test_jax_fitted_attention_differentiates_the_parameters() -> None:
     """``linattn.jax.fitted_attention``: ``jax.grad`` (eager and under ``jax.jit``) in q,
     k, v and every parameter equals ``linear_attention_vjp(parameters=True)``; masks are

@@ -167,6 +167,7 @@ def test_favor_attention_takes_the_exact_parts() -> None:
     )
 
 
+@pytest.mark.needs("jax")
 def test_jax_jit_and_a_scan_decoding_loop() -> None:
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
@@ -208,6 +209,7 @@ def test_torch_gradients_through_the_hybrid() -> None:
         assert torch.autograd.gradcheck(f, args)
 
 
+@pytest.mark.needs("dask")
 def test_dask_windows_cross_chunk_boundaries() -> None:
     da = pytest.importorskip("dask.array")
     q, k, v, _ = _inputs(9)
