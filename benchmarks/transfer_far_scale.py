@@ -10,11 +10,12 @@ are stabilised by their row maximum and its far weights not).  Two more measure 
 limits the map rather than offering a path: "decay" damps the far weights by a learned
 ``exp(-r |t - j|)`` per head (what a scan could carry), and "same" attends exactly,
 besides the window and sinks, to every key holding the query's own token (an oracle:
-how much of the fitted map's error sits on repeated tokens).  A measurement, not a
-library path.
+how much of the fitted map's error sits on repeated tokens), and "mass" gives each
+row's far part the exact far mass (an oracle: what is left is the map's distribution
+over the far keys).  A measurement, not a library path.
 
     python benchmarks/transfer_far_scale.py 0 150 fitted,qscale,kscale,both
-    python benchmarks/transfer_far_scale.py 0,2 150 fitted,rowmax,decay,same
+    python benchmarks/transfer_far_scale.py 0 150 fitted,rowmax,decay,same,mass
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def forward(q, k, v, near, far, P, mode, same=None):
     )
     if mode == "rowmax":  # LoLCATs' form: near weights stabilised by their row maximum
         lfar = lfar + torch.where(near, logits, torch.tensor(-torch.inf)).amax(-1, keepdim=True)
+    if mode == "mass":  # oracle: each row's far part carries the exact far mass
+        exact_mass = torch.where(far, logits, torch.tensor(-torch.inf)).logsumexp(-1, keepdim=True)
+        mapped = torch.where(far, lfar, torch.tensor(-torch.inf)).logsumexp(-1, keepdim=True)
+        shift = exact_mass - mapped  # (the gradient moves the distribution only)
+        lfar = lfar + torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     if mode == "decay":
         t = torch.arange(q.shape[-2], dtype=q.dtype)
         lfar = lfar - P["rho"].exp()[:, None, None] * (t[:, None] - t[None, :]).abs()
