@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import math
 import secrets
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -287,7 +288,7 @@ class FeatureMap:
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
-        _LIVE[fields["_fingerprint"]] = self
+        _register_live(self)
         if parameters is not None and not np.all(parameters.far_weight == 1.0):
             # Made here, on the host: a call (maybe traced by torch.compile) only looks up.
             ones = np.ones_like(parameters.far_weight)
@@ -947,8 +948,27 @@ def _refuse_assignment(self: FeatureMap, name: str, value: object) -> None:
 FeatureMap.__setattr__ = _refuse_assignment  # type: ignore[assignment,method-assign]
 
 
-#: Every live map by fingerprint (see :func:`feature_map_for`).
-_LIVE: weakref.WeakValueDictionary[str, FeatureMap] = weakref.WeakValueDictionary()
+#: Every live map by fingerprint (see :func:`feature_map_for`): weak references to all
+#: the equal maps alive, so that one's death leaves the others found.
+_LIVE: dict[str, list[weakref.ref[FeatureMap]]] = {}
+#: Guards ``_LIVE``; re-entrant, since a reference's callback may run (garbage
+#: collection) in a thread that holds it.
+_LIVE_LOCK = threading.RLock()
+
+
+def _register_live(feature_map: FeatureMap) -> None:
+    fingerprint = feature_map.fingerprint
+
+    def forget(ref: weakref.ref[FeatureMap]) -> None:
+        with _LIVE_LOCK:
+            refs = [r for r in _LIVE.get(fingerprint, []) if r is not ref]
+            if refs:
+                _LIVE[fingerprint] = refs
+            else:
+                _LIVE.pop(fingerprint, None)
+
+    with _LIVE_LOCK:
+        _LIVE[fingerprint] = [*_LIVE.get(fingerprint, []), weakref.ref(feature_map, forget)]
 
 
 def feature_map_for(fingerprint: str) -> FeatureMap | None:
@@ -966,7 +986,12 @@ def feature_map_for(fingerprint: str) -> FeatureMap | None:
     >>> feature_map_for(fm.fingerprint).fingerprint == fm.fingerprint
     True
     """
-    return _LIVE.get(fingerprint)
+    with _LIVE_LOCK:
+        refs = list(_LIVE.get(fingerprint, []))
+    for ref in refs:
+        if (feature_map := ref()) is not None:
+            return feature_map
+    return None
 
 
 def _restore(fields: dict[str, Any]) -> FeatureMap:

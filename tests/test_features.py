@@ -327,3 +327,25 @@ def test_feature_map_is_a_frozen_hashable_value() -> None:
     assert {fm: 1}[fm] == 1
     with pytest.raises(dataclasses.FrozenInstanceError, match="immutable"):
         fm.kind = "hyperbolic"  # type: ignore[misc]
+
+
+def test_an_equal_maps_death_leaves_the_live_one_found() -> None:
+    """The torch operators find a map by fingerprint: with two equal maps alive, the
+    death of one (the later made, or the earlier) must leave the other found."""
+    import gc
+
+    from linattn.features import feature_map_for
+
+    w = np.eye(4)
+    kept = la.FeatureMap.fitted(w, tied=True, far_weight=0.5)
+    for _ in range(2):
+        transient = la.FeatureMap.fitted(w, tied=True, far_weight=0.5)
+        assert transient.fingerprint == kept.fingerprint
+        del transient
+        gc.collect()
+        assert feature_map_for(kept.fingerprint) is kept
+    other = la.FeatureMap.fitted(w, tied=True, far_weight=0.25)
+    fingerprint = other.fingerprint
+    del other
+    gc.collect()
+    assert feature_map_for(fingerprint) is None
