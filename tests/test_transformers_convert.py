@@ -24,7 +24,7 @@ from linattn.integrations.transformers_convert import (  # noqa: E402
     layer_errors,
     model_fingerprint,
 )
-from linattn.integrations.transformers_refine import fitted_call  # noqa: E402
+from linattn.integrations.transformers_refine import dense_hybrid  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 VOCAB, L, WINDOW, SINKS = 50, 20, 3, 1
@@ -372,10 +372,9 @@ def _final_error(model: torch.nn.Module, seeds: tuple[int, ...]) -> float:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_the_call_refine_differentiates_is_the_model_path(name: str) -> None:
-    """refine differentiates ``fitted_call`` (``linattn.torch.fitted_attention`` on the
-    integration's call): it computes what the model runs (window, sinks, [CLS]/[SEP],
-    causality, padding, grouped-query heads, g = 0 heads)."""
+def test_the_dense_hybrid_refine_fits_is_the_model_path(name: str) -> None:
+    """refine differentiates a dense torch hybrid: it computes what the library runs
+    (window, sinks, [CLS]/[SEP], causality, padding, grouped-query heads, g = 0 heads)."""
     model, _ = _converted(name)
     batch = _batch(4)
     module = next(m for m in model.modules() if "_linattn_fitted" in m.__dict__)
@@ -399,8 +398,7 @@ def test_the_call_refine_differentiates_is_the_model_path(name: str) -> None:
             module, query.double(), key.double(), value.double(), attention_mask, scaling,
             is_causal, kw, key_mask, exact, causal,
         )  # fmt: skip
-        scale = module._linattn_fitted.scale
-        out = fitted_call(call, values, window=WINDOW, sink_keys=SINKS, scale=scale)
+        out = dense_hybrid(call, values, window=WINDOW, sink_keys=SINKS)
         return out.to(query.dtype), None
 
     try:

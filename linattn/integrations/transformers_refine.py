@@ -9,10 +9,10 @@ embeddings), the model's weights frozen (only the maps' parameters get gradients
 ``torch.autograd.grad`` leaves every ``.grad`` of the model as it was), the step kept
 that gives the lowest error on the validation batches.
 
-During the fit each attention call runs the library's own path, differentiable in the
-maps' parameters (:func:`fitted_call`, :func:`linattn.torch.fitted_attention`: the
-forward pass ``linear_attention``'s, the backward pass ``linear_attention_vjp``'s);
-afterwards the model runs the same path with the refined maps.  Measured on all-MiniLM-L6-v2
+During the fit each attention call runs a dense, differentiable torch version of the
+fitted hybrid (:func:`dense_hybrid`: the formula of :mod:`linattn.fitted`, ``L x L``
+per call, as the per-layer fit's); afterwards the model runs the library's own path
+with the refined maps (a test holds the two equal).  Measured on all-MiniLM-L6-v2
 (``benchmarks/transfer_end_to_end.py``; figures in ``docs/estimators.md``).
 """
 
@@ -42,9 +42,8 @@ from linattn.integrations.transformers_convert import (
     save_state,
     use_linattn,
 )
-from linattn.torch import fitted_attention
 
-__all__ = ["fitted_call", "refine"]
+__all__ = ["dense_hybrid", "refine"]
 
 
 @dataclass
@@ -82,17 +81,32 @@ def _layer(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) ->
     return _Layer(module, fm, values, far_on)
 
 
-def fitted_call(
+def _heads(param: torch.Tensor, trailing: int, group: int) -> torch.Tensor:
+    """Per-head ``(H, ...)`` parameters as ``(H / group, group, ...)`` (shared: as is)."""
+    if param.ndim == trailing:
+        return param
+    return param.reshape(param.shape[0] // group, group, *param.shape[1:])
+
+
+def _log_phi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    u = x @ weight + bias.unsqueeze(-2)
+    return torch.log_softmax(torch.cat([u, -u], dim=-1), dim=-1)
+
+
+def dense_hybrid(
     call: AttentionCall,
     parameters: Mapping[str, torch.Tensor],
     *,
     window: int | None,
     sink_keys: int,
-    scale: float,
 ) -> torch.Tensor:
-    """The fitted hybrid of one attention call, differentiable in everything:
-    :func:`linattn.torch.fitted_attention` (the library's own path, forward and
-    backward) on the integration's call.
+    """The fitted hybrid of one attention call, dense and differentiable in everything.
+
+    ``out_i = softmax_j(s q_i.k_j on near keys; log(g phi(q_i).phi(k_j)) on far ones)
+    v_j``: near keys are the window, the sinks and the call's exact keys, far keys every
+    other real (and, causal, past) key; ``phi`` the Hedgehog map of
+    :mod:`linattn.fitted`.  ``L x L`` memory per head: for fitting on calibration
+    batches, not for inference (the library's own path computes the same output).
 
     Parameters
     ----------
@@ -101,11 +115,10 @@ def fitted_call(
         its key mask, exact-key mask and causality).
     parameters : mapping of str to tensor
         ``query_weight``, ``query_bias``, optionally ``key_weight``/``key_bias`` (tied
-        otherwise), and ``log_far_weight`` (``log g``, ``()`` or ``(H_kv,)``;
-        :data:`linattn.fitted.ZERO_FAR_LOG` for ``g = 0``, which stays exactly 0 and
-        gets no gradient); shapes as :class:`linattn.fitted.FittedParameters`.
-    window, sink_keys, scale
-        The exact parts and their softmax scale, as the model runs them.
+        otherwise), and ``log_far_weight`` (``log g``, ``()`` or ``(H_kv,)``); shapes as
+        :class:`linattn.fitted.FittedParameters`.
+    window, sink_keys
+        The exact parts, as the model runs them.
 
     Returns
     -------
@@ -120,20 +133,50 @@ def fitted_call(
     >>> call = AttentionCall(None, q, k, v, None, 0.5, False, {}, None, None, False)
     >>> p = {"query_weight": torch.eye(4), "query_bias": torch.zeros(4),
     ...      "log_far_weight": torch.tensor(-1e4)}  # g = 0: window + sinks alone
-    >>> fitted_call(call, p, window=2, sink_keys=1, scale=0.5).shape
+    >>> dense_hybrid(call, p, window=2, sink_keys=1).shape
     torch.Size([1, 5, 2, 4])
     """
+    query, key, value = call.query, call.key, call.value
+    dtype = parameters["query_weight"].dtype
+    batch, heads, length, dim = query.shape
+    key_heads = key.shape[1]
+    group = heads // key_heads
+    q = query.to(dtype).reshape(batch, key_heads, group, length, dim)
+    k, v = key.to(dtype)[:, :, None], value.to(dtype)[:, :, None]
+    device = q.device
+    t = torch.arange(length, device=device)[:, None]
+    j = torch.arange(key.shape[-2], device=device)[None, :]
+    seen = j <= t if call.causal else torch.ones_like(t == j)
+    near = (j < sink_keys) & seen
+    if window is not None:
+        near = near | (seen & ((t - j).abs() < window))
+    real = torch.ones_like(j, dtype=torch.bool) if call.key_mask is None else call.key_mask
+    real = real.reshape(-1, 1, 1, 1, j.shape[-1])
+    near = near & real
+    if call.exact_key_mask is not None:
+        near = near | (call.exact_key_mask.reshape(-1, 1, 1, 1, j.shape[-1]) & real & seen)
+    far = seen & real & ~near
+    scale = call.scaling if call.scaling is not None else dim**-0.5
+    logits = scale * (q @ k.transpose(-1, -2))
+    weight_q = _heads(parameters["query_weight"], 2, group)
+    bias_q = _heads(parameters["query_bias"], 1, group)
+    key_role = "query" if "key_weight" not in parameters else "key"  # tied: the query's
+    weight_k = _heads(parameters[f"{key_role}_weight"], 2, 1)
+    bias_k = _heads(parameters[f"{key_role}_bias"], 1, 1)
     log_g = parameters["log_far_weight"]
-    far_weight = torch.where(log_g > fitted.ZERO_FAR_LOG / 2, log_g.exp(), torch.zeros_like(log_g))
-    tied = "key_weight" not in parameters
-    out = fitted_attention(
-        call.query, call.key, call.value, parameters["query_weight"],
-        parameters["query_bias"], key_weight=parameters.get("key_weight"),
-        key_bias=parameters.get("key_bias"), far_weight=far_weight, tied=tied,
-        causal=call.causal, key_mask=call.key_mask, window=window, sink_keys=sink_keys,
-        exact_key_mask=call.exact_key_mask, scale=scale,
-    )  # fmt: skip
-    return out.transpose(1, 2).contiguous()
+    log_g = log_g.reshape(-1, 1, 1, 1) if log_g.ndim else log_g
+    lq = _log_phi(q, weight_q, bias_q)
+    lk = _log_phi(k, weight_k, bias_k) + log_g
+    a, b = lq.amax(-1, keepdim=True).detach(), lk.amax(-1, keepdim=True).detach()
+    products = torch.exp(lq - a) @ torch.exp(lk - b).transpose(-1, -2)
+    tiny = torch.finfo(dtype).tiny
+    far_logits = torch.log(products.clamp_min(tiny)) + a + b.transpose(-1, -2)
+    minus_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
+    scores = torch.where(near, logits, torch.where(far, far_logits, minus_inf))
+    any_key = (near | far).any(-1, keepdim=True)  # a query with no key (padding): zeros
+    probs = torch.softmax(torch.where(any_key, scores, torch.zeros_like(scores)), dim=-1)
+    out = (probs * any_key) @ v
+    return out.reshape(batch, heads, length, -1).transpose(1, 2).to(query.dtype)
 
 
 class _Hook:
@@ -160,10 +203,7 @@ class _Hook:
             )
         values = dict(layer.values)
         values["log_far_weight"] = layer.log_far_weight()
-        return fitted_call(
-            call, values, window=self.window, sink_keys=self.sink_keys,
-            scale=layer.feature_map.scale,
-        )  # fmt: skip
+        return dense_hybrid(call, values, window=self.window, sink_keys=self.sink_keys)
 
 
 def _hidden(model: Model, batch: Mapping[str, Any], hook: _Hook) -> torch.Tensor:

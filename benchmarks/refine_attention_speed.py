@@ -1,0 +1,87 @@
+"""What ``refine`` should differentiate: its dense torch hybrid or the library's path?
+
+One MiniLM-sized attention call (12 heads, d = 32, m = 64, window 16 + 1 sink + an exact
+key per row, the last row a quarter padded), forward and backward in q, k, v and every
+map parameter, timed for ``transformers_refine.dense_hybrid`` (dense ``L x L``) and for
+``linattn.torch.fitted_attention`` (the library's forward pass, its backward
+``linear_attention_vjp(parameters=True)``), best of three, in one run; and their largest
+output difference.
+
+    python benchmarks/refine_attention_speed.py --batch 8 --lengths 128 256 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from linattn.integrations.transformers_convert import AttentionCall
+from linattn.integrations.transformers_refine import dense_hybrid
+from linattn.torch import fitted_attention
+
+
+def measure(batch: int, length: int) -> None:
+    """Time both at one length and print a line."""
+    heads, d, half = 12, 32, 32
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, d, requires_grad=True) for _ in "qkv")
+    key_mask = torch.ones(batch, 1, length, dtype=torch.bool)
+    key_mask[-1, :, -length // 4 :] = False
+    exact = torch.zeros(batch, 1, length, dtype=torch.bool)
+    exact[:, :, length // 2] = True
+    eye = torch.eye(d)[:, :half].repeat(heads, 1, 1)
+    p = {
+        "query_weight": eye.clone().requires_grad_(),
+        "query_bias": torch.zeros(heads, half, requires_grad=True),
+        "key_weight": eye.clone().requires_grad_(),
+        "key_bias": torch.zeros(heads, half, requires_grad=True),
+    }
+    log_g = torch.zeros(heads, requires_grad=True)
+    call = AttentionCall(None, q, k, v, None, d**-0.5, False, {}, key_mask, exact, False)
+    options = {"window": 16, "sink_keys": 1}
+
+    def dense() -> torch.Tensor:
+        return dense_hybrid(call, {**p, "log_far_weight": log_g}, **options)
+
+    def library() -> torch.Tensor:
+        out = fitted_attention(
+            q, k, v, **p, far_weight=log_g.exp(), key_mask=key_mask,
+            exact_key_mask=exact, **options,
+        )  # fmt: skip
+        return out.transpose(1, 2)
+
+    grad = torch.randn(batch, length, heads, d)
+    times = {}
+    for name, run in (("dense", dense), ("library", library)):
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            out = run()
+            torch.autograd.grad((out * grad).sum(), [q, k, v, *p.values(), log_g])
+            best = min(best, time.perf_counter() - start)
+        times[name] = best
+    with torch.no_grad():
+        difference = float((dense() - library()).abs().max())
+    print(
+        f"L={length}: dense {times['dense']:.3f} s, library {times['library']:.3f} s "
+        f"(library / dense {times['library'] / times['dense']:.2f}), max |diff| "
+        f"{difference:.1e}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for length in args.lengths:
+        measure(args.batch, length)
+
+
+if __name__ == "__main__":
+    main()
