@@ -7,7 +7,8 @@ projection is a registered buffer, so it is saved in ``state_dict``, moved by
 ``.to(device)`` and broadcast by DistributedDataParallel; redraws are seeded from
 ``seed`` plus a draw counter (also a buffer), so every rank draws the same matrix.
 A fitted map's parameters (``feature_map=``, :mod:`linattn.fitted`) are buffers likewise:
-fitted by :mod:`linattn.transfer` with the model frozen, not trained by the layer.
+fitted by :mod:`linattn.transfer` with the model frozen, not trained by the layer, unless
+``train_map=True`` makes them ``nn.Parameter``s.
 :func:`fitted_attention` is the call to train them with torch's autograd: the map's
 parameters are tensors, and their gradients come from
 :func:`linattn.linear_attention_vjp` (``parameters=True``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
@@ -177,6 +179,12 @@ class FastAttention(nn.Module):
         its parameters become buffers (``query_weight``, ``query_bias``, ``key_weight``,
         ``key_bias``, ``far_weight``; the keys' absent when tied), saved in ``state_dict``
         and loaded back.  Per-head parameters need inputs with that many heads.
+    train_map : bool, default False
+        A fitted map's parameters become ``nn.Parameter``s (same names in ``state_dict``)
+        that the layer's optimiser trains: calls with gradients enabled run
+        :func:`fitted_attention` (no decoding state there), others the map made from
+        the parameters' current values.  The far weight is used as ``max(g, 0)``: a head
+        whose ``g`` falls to 0 has chosen the exact parts and gets no gradient.
     causal : bool, default False
         Query ``i`` attends to keys ``j <= i``.
     window, sink_keys : optional
@@ -236,10 +244,13 @@ class FastAttention(nn.Module):
         rebalance: bool | None = None,
         chunk_size: int | None = None,
         backend: Backend | None = None,
+        train_map: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be True or False; got {causal!r}")
+        if not isinstance(train_map, bool):
+            raise TypeError(f"train_map must be True or False; got {train_map!r}")
         interval: object = redraw_interval  # (what was given: the annotation says what to give)
         if interval is not None and (
             isinstance(interval, bool) or not isinstance(interval, int) or interval < 1
@@ -280,9 +291,19 @@ class FastAttention(nn.Module):
         parameters = template.parameters
         self.fitted = parameters is not None
         arrays = {} if parameters is None else parameters.arrays()
+        if train_map and not self.fitted:
+            raise ValueError(
+                "train_map=True needs a fitted map (feature_map= or kind='hedgehog'); got "
+                f"kind={kind!r}"
+            )
+        self.train_map = train_map
         for name in FITTED_BUFFERS if self.fitted else ():
             value = arrays.get(name)
-            self.register_buffer(name, None if value is None else torch.tensor(value))
+            tensor = None if value is None else torch.tensor(value)
+            if train_map:
+                self.register_parameter(name, None if tensor is None else nn.Parameter(tensor))
+            else:
+                self.register_buffer(name, tensor)
         self._feature_map = template
         self._counts = (0, 0)  # host copies of (forward_calls, draws): no device sync per call
         # The map is always one adopted from the buffer, so a redraw changes no static
@@ -362,6 +383,10 @@ class FastAttention(nn.Module):
         """
         if key_mask is not None and key_mask.ndim == 2 and q.ndim == 4:
             key_mask = key_mask[:, None, :]  # (B, L): one mask per sequence
+        if self.train_map:
+            if torch.is_grad_enabled() and state is None and not return_state:
+                return self._train_map_forward(q, k, v, key_mask, causal)
+            self._sync()  # the map from the parameters' current values
         with torch.autocast(q.device.type, enabled=False):
             result = linear_attention(
                 q,
@@ -381,6 +406,22 @@ class FastAttention(nn.Module):
             return out, new_state
         output: torch.Tensor = result
         return output
+
+    def _train_map_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        key_mask: torch.Tensor | None, causal: bool | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """:func:`fitted_attention` on the map's parameters (``train_map=True``)."""
+        far_weight = self.far_weight.clamp_min(0.0)
+        with torch.autocast(q.device.type, enabled=False):
+            out = fitted_attention(
+                q, k, v, self.query_weight, self.query_bias, key_weight=self.key_weight,
+                key_bias=self.key_bias, far_weight=far_weight, tied=self.key_weight is None,
+                causal=self.causal if causal is None else causal, key_mask=key_mask,
+                scale=self.scale, chunk_size=self.chunk_size, backend=self.backend,
+                **self.hybrid,
+            )  # fmt: skip
+        return out
 
     # -- the schedule, outside any compiled region -----------------------------------
 
@@ -417,7 +458,7 @@ class FastAttention(nn.Module):
                 host["query_bias"],
                 key_weight=host["key_weight"],
                 key_bias=host["key_bias"],
-                far_weight=host["far_weight"],
+                far_weight=np.maximum(np.asarray(host["far_weight"], float), 0.0),  # max(g, 0)
                 tied=host["key_weight"] is None,
                 scale=self.scale,
             )

@@ -335,3 +335,53 @@ def test_a_fitted_map_is_buffers_that_round_trip() -> None:
         FastAttention(D, 16, feature_map=fm)
     with pytest.raises(ValueError, match="redraw_interval must be None with a fitted"):
         FastAttention(D, feature_map=fm, redraw_interval=2)
+
+
+def test_train_map_trains_the_fitted_parameters() -> None:
+    """``train_map=True``: the fitted parameters are nn.Parameters under the buffers'
+    names; with gradients the layer runs ``fitted_attention`` (the same output as the
+    buffer layer, gradients in every parameter), Adam steps lower the error to exact
+    softmax attention, the no-gradient path follows the stepped values, and the
+    state_dict loads into a buffer layer; a negative far weight acts as 0."""
+    rng = np.random.default_rng(1)
+    fm = _fitted_map(rng, [0.3, 1.2])
+    options = {"causal": False, "window": 3, "sink_keys": 1}
+    frozen = FastAttention(D, feature_map=fm, **options)
+    layer = FastAttention(D, feature_map=fm, train_map=True, **options)
+    names = ["query_weight", "query_bias", "key_weight", "key_bias", "far_weight"]
+    assert sorted(n for n, _ in layer.named_parameters()) == sorted(names)
+    assert sorted(layer.state_dict()) == sorted(frozen.state_dict())
+    q = torch.randn(B, 4, L, D, dtype=torch.float64)
+    k, v = (
+        torch.randn(B, 2, L, D, dtype=torch.float64),
+        torch.randn(B, 2, L, 5, dtype=torch.float64),
+    )
+    target = la.softmax_attention(q, k, v)
+    out = layer(q, k, v)
+    torch.testing.assert_close(out, frozen(q, k, v), rtol=1e-12, atol=1e-12)
+    optimiser = torch.optim.Adam(layer.parameters(), lr=0.05)
+    errors = []
+    for _ in range(15):
+        loss = (layer(q, k, v) - target).square().mean()
+        optimiser.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+        optimiser.step()
+        errors.append(float(loss.detach()))
+    assert errors[-1] < 0.9 * errors[0], errors
+    with torch.no_grad():  # the map made from the stepped values
+        stepped = layer(q, k, v)
+    torch.testing.assert_close(stepped, layer(q, k, v).detach(), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(stepped, frozen(q, k, v))
+    frozen.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(frozen(q, k, v), stepped, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        layer.far_weight.copy_(torch.tensor([-0.5, 1.0], dtype=torch.float64))
+        negative = layer(q, k, v)
+        layer.far_weight.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+        torch.testing.assert_close(negative, layer(q, k, v), rtol=1e-12, atol=1e-12)
+    layer.zero_grad()
+    layer(q, k, v).sum().backward()
+    assert layer.far_weight.grad[0] == 0.0 and layer.far_weight.grad[1] != 0.0
+    with pytest.raises(ValueError, match="train_map=True needs a fitted map"):
+        FastAttention(D, 16, train_map=True)
