@@ -13,13 +13,15 @@ module (or JAX).
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linattn._plan import plan_attention
 from linattn.attention import linear_attention
 from linattn.features import FeatureMap
 from linattn.vjp import linear_attention_vjp
@@ -55,9 +57,10 @@ def fitted_attention(
     arrays, differentiable in them as in ``q``, ``k`` and ``v`` (``jax.grad``,
     ``jax.jit``).
 
-    The map is :meth:`linattn.FeatureMap.fitted` of the parameters' values (checked
-    there: shapes, heads, ``far_weight >= 0``; under ``jax.jit`` a bad value raises when
-    the call runs).  ``far_weight`` must stay non-negative: parametrise it
+    The map is :meth:`linattn.FeatureMap.fitted` of the parameters' values, checked
+    there and by the front door before any callback (shapes, heads, options; under
+    ``jax.jit`` a traced parameter's values, ``far_weight >= 0``, only when the call
+    runs, inside JAX's callback error).  ``far_weight`` must stay non-negative: parametrise it
     (``far_weight=jnp.exp(log_g)``); a head with ``g = 0`` has chosen the exact parts
     and gets no gradient.  The masks get no gradient.
 
@@ -93,9 +96,39 @@ def fitted_attention(
     )  # fmt: skip
     given = (query_weight, query_bias, key_weight, key_bias, far_weight, key_mask, exact_key_mask)
     present = tuple(x is not None for x in given)
-    arrays = tuple(jnp.asarray(x) for x in given if x is not None)
-    out: jax.Array = _attention(static, present, q, k, v, *arrays)
+    arrays = tuple(jnp.asarray(x) for x in (q, k, v, *given) if x is not None)
+    _check(static, present, arrays)
+    out: jax.Array = _attention(static, present, *arrays)
     return out
+
+
+def _check(
+    static: tuple[tuple[str, Any], ...], present: tuple[bool, ...], arrays: tuple[Any, ...]
+) -> None:
+    """The argument errors, raised here rather than inside a callback (where JAX wraps
+    them): the front door's checks on stand-ins of the inputs' shapes and dtypes, and
+    the map's on the parameters' values where they are concrete (under ``jax.jit``, on
+    zeros of their shapes: their values are checked when the call runs)."""
+    stand_ins = []
+    for index, x in enumerate(arrays):
+        value = None
+        if 3 <= index < 3 + sum(present[: len(PARAMETERS)]):  # a parameter
+            with contextlib.suppress(
+                jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError
+            ):
+                value = np.asarray(x)
+        if value is None:  # inputs, masks and traced parameters: no data is read
+            value = np.zeros(x.shape, x.dtype)
+        stand_ins.append(value)
+    (q, k, v), feature_map, options = _host_call(static, present, tuple(stand_ins))
+    plan_attention(q, k, v, feature_map, **options)
+    roles: tuple[tuple[np.ndarray, Literal["query", "key"]], ...] = ((q, "query"), (k, "key"))
+    for x, role in roles:  # the parameters' heads against the inputs'
+        try:
+            feature_map.log_features(x[..., :1, :], role=role)  # one token: cheap
+        except ValueError:
+            feature_map.log_features(x, role=role)  # the error, naming the inputs' shape
+            raise
 
 
 def _host_call(

@@ -678,6 +678,14 @@ def test_jax_fitted_attention_differentiates_the_parameters() -> None:
                     np.testing.assert_allclose(got, expected[name], rtol=1e-9, atol=1e-12)
             if "exact_key_mask" in options:  # the g = 0 head chose the exact parts
                 assert expected["far_weight"][0] == 0.0 and expected["far_weight"][1] != 0.0
+        # Errors are raised before any callback (JAX would wrap them), under jit too.
+        q, k, v = (jnp.asarray(a) for a in _inputs(rng, 4, 2, length=5))
+        w = jnp.asarray(rng.normal(size=(3, D, N // 2)))
+        with pytest.raises(ValueError, match="far_weight must be non-negative"):
+            fitted_attention(q, k, v, w[:1], tied=True, far_weight=-1.0)
+        for run in (fitted_attention, jax.jit(fitted_attention, static_argnames="tied")):
+            with pytest.raises(ValueError, match="query_weight has 3 heads cannot serve"):
+                run(q, k, v, w, tied=True)
 
 
 def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:
