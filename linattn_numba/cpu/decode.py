@@ -40,6 +40,7 @@ from numba import prange
 
 from linattn_numba import _machinery
 from linattn_numba.cpu.arrays import contiguous
+from linattn_numba.cpu.calls import fitted_operands
 from linattn_numba.cpu.chunks import (
     chunk_forward,
     chunk_shifts,
@@ -220,8 +221,8 @@ def decode_step(
     out = np.empty((n, length, dv), dtype)
     kv_out = np.empty((n, m, dv + 1), dtype)
     mu_out = np.empty((n, m), dtype)
-    if fitted is None:
-        fitted = np.empty((n, 2, 0, 0), dtype), np.empty((n, 2, 0), dtype)
+    if fitted is None:  # a random map: the kernels' empty fitted operands
+        fitted = fitted_operands(None, (n,), dtype)[:2]
     args = (qf, kf, vf, mask, projection, consts, hyperbolic, *fitted, kv_in, mu_in,
             chunk_size)  # fmt: skip
     variant = _machinery.choose_variant(n, length, m * (dv + 1))
