@@ -12,10 +12,23 @@ limits the map rather than offering a path: "decay" damps the far weights by a l
 besides the window and sinks, to every key holding the query's own token (an oracle:
 how much of the fitted map's error sits on repeated tokens), and "mass" gives each
 row's far part the exact far mass (an oracle: what is left is the map's distribution
-over the far keys).  A measurement, not a library path.
+over the far keys).  Other forms of the map at the same m = 64: "free" (64 free
+columns, ``softmax(x W + b)`` with ``W`` d x 64 from ``[I, -I]``: Hedgehog's map is its
+special case), "split" (LoLCATs' halves, ``[softmax(x W), softmax(-x W)]``), "exp"
+(Hedgehog's first form, ``exp([x W, -x W])``, not normalised), "rf" (positive random
+features ``exp(x w - |x|^2 / 2)`` with learned directions) and "mlp" (``x W`` plus a
+zero-started residual ReLU layer of width 128 before the softmax).  A measurement, not a
+library path.
+
+Each layer is fed the exact model's activations.  Printed per layer: the relative error
+on the TEST documents (and on the FIT documents, ``_fit``), its ratio to window + sinks',
+and per head the error and the head's share of the layer's output norm (a head with a
+large share and a large error decides the layer's figure).
 
     python benchmarks/transfer_far_scale.py 0 150 fitted,qscale,kscale,both
     python benchmarks/transfer_far_scale.py 0 150 fitted,rowmax,decay,same,mass
+    python benchmarks/transfer_far_scale.py 0 150 fitted,free,split,exp,rf,mlp
+    python benchmarks/transfer_far_scale.py 1,2 150 fitted
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import documents
 
 from linattn.models import load_model
+from linattn.models.bert import exact_attention
 from linattn.models.convert import length_batches, sep_mask
 
 torch.set_num_threads(1)
@@ -47,7 +61,15 @@ def parts(b, size):
 
 
 data = {n: parts(split[n], 4) for n in split}
-hidden = {n: [enc.embed(np.asarray(ids)) for ids, _ in data[n]] for n in data}
+
+
+def hidden_states(ids, mask, layer):
+    """The exact model's input to ``layer``."""
+    h = enc.embed(np.asarray(ids))
+    for before in range(layer):
+        context = exact_attention(*enc.qkv(h, before), mask.astype(bool), before)
+        h = enc.finish_layer(h, context, before)
+    return h
 
 
 def masks(mask):
@@ -59,6 +81,22 @@ def masks(mask):
     return torch.tensor(exact & keep)[:, None], torch.tensor(keep & ~exact)[:, None]
 
 
+def log_features(x, P, mode, side):
+    """log phi(x) of the map form ``mode``; ``side`` is "q" or "k"."""
+    if mode == "free":
+        return torch.log_softmax(x @ P["f" + side] + P["fb" + side][:, None], -1)
+    if mode == "rf":
+        return x @ P["r" + side] - (x * x).sum(-1, keepdim=True) / 2 * x.shape[-1] ** -0.5
+    u = x @ P["w" + side] + P["b" + side][:, None]
+    if mode == "mlp":
+        u = u + torch.relu(x @ P["A" + side] + P["a" + side][:, None]) @ P["B" + side]
+    if mode == "exp":
+        return torch.cat([u, -u], -1)
+    if mode == "split":
+        return torch.cat([torch.log_softmax(u, -1), torch.log_softmax(-u, -1)], -1)
+    return torch.log_softmax(torch.cat([u, -u], -1), -1)
+
+
 def forward(q, k, v, near, far, P, mode, same=None):
     if mode == "same":  # keys holding the query's own token: exact too
         near, far = near | same, far & ~same
@@ -66,10 +104,8 @@ def forward(q, k, v, near, far, P, mode, same=None):
     logits = s * q @ k.transpose(-1, -2)
     if mode == "base":
         return torch.softmax(torch.where(near, logits, torch.tensor(-torch.inf)), -1) @ v
-    lq_u = q @ P["wq"] + P["bq"][:, None]
-    lk_u = k @ P["wk"] + P["bk"][:, None]
-    lq = torch.log_softmax(torch.cat([lq_u, -lq_u], -1), -1)
-    lk = torch.log_softmax(torch.cat([lk_u, -lk_u], -1), -1) + P["lg"][:, None, None]
+    lq = log_features(q, P, mode, "q")
+    lk = log_features(k, P, mode, "k") + P["lg"][:, None, None]
     if mode in ("qscale", "both"):
         lq = lq + (q @ P["a"][:, :, None]) + P["c"][:, None, None]
     if mode in ("kscale", "both"):
@@ -99,8 +135,8 @@ for layer in layer_ids:
 
     def lb(n, layer=layer):
         out = []
-        for h, (ids, mask) in zip(hidden[n], data[n], strict=False):
-            q, k, v = enc.qkv(h, layer)
+        for ids, mask in data[n]:
+            q, k, v = enc.qkv(hidden_states(ids, mask, layer), layer)
             near, far = masks(mask)
             same = far & torch.tensor(ids[:, :, None] == ids[:, None, :])[:, None]
             rows = torch.tensor(mask.astype(bool))[:, None, :, None]
@@ -122,16 +158,20 @@ for layer in layer_ids:
     fit, test = lb("fit"), lb("test")
     H, d = fit[0][0].shape[1], fit[0][0].shape[-1]
 
-    def err(P, mode, batches):
+    def err(P, mode, batches, heads=None):
         num = den = 0.0
         with torch.no_grad():
             for q, k, v, near, far, rows, exact, same in batches:
                 o = forward(q, k, v, near, far, P, mode, same)
-                num += (((o - exact) ** 2) * rows).sum().item()
-                den += ((exact**2) * rows).sum().item()
-        return (num / den) ** 0.5
+                num = num + (((o - exact) ** 2) * rows).sum((0, 2, 3))
+                den = den + ((exact**2) * rows).sum((0, 2, 3))
+        if heads is not None:  # per head: error, share of the layer's output norm
+            heads[mode] = [round(x, 3) for x in (num / den).sqrt().tolist()]
+            heads["norm share"] = [round(x, 3) for x in (den / den.sum()).tolist()]
+        return (num.sum() / den.sum()).item() ** 0.5
 
-    res = {"base": err({}, "base", test)}
+    per_head: dict = {}
+    res = {"base": err({}, "base", test, per_head)}
     for mode in sys.argv[3].split(","):
         torch.manual_seed(0)
         eye = torch.eye(d)[:, :m2].repeat(H, 1, 1)
@@ -146,14 +186,20 @@ for layer in layer_ids:
             "ak": torch.zeros(H, d),
             "rho": torch.full((H,), -6.0),
         }
+        for side in "qk":
+            P["f" + side] = torch.cat([eye, -eye], -1)
+            P["fb" + side] = torch.zeros(H, 2 * m2)
+            P["A" + side] = torch.randn(H, d, 128) * d**-0.5
+            P["a" + side] = torch.zeros(H, 128)
+            P["B" + side] = torch.zeros(H, 128, m2)
+        P["rq"] = torch.randn(H, d, 2 * m2) * d**-0.25
+        P["rk"] = P["rq"].clone()
         with torch.no_grad():  # g from the median exact / mapped far-mass ratio (batch 0)
             q, k, v, near, far, rows, exact, _ = fit[0]
             s_ = d**-0.5
             ex = torch.where(far, (s_ * q @ k.transpose(-1, -2)).exp(), torch.tensor(0.0)).sum(-1)
-            lq_u = q @ P["wq"]
-            lk_u = k @ P["wk"]
-            fq = torch.softmax(torch.cat([lq_u, -lq_u], -1), -1)
-            fk = torch.softmax(torch.cat([lk_u, -lk_u], -1), -1)
+            fq = log_features(q, P, mode, "q").exp()
+            fk = log_features(k, P, mode, "k").exp()
             mp = torch.where(far, fq @ fk.transpose(-1, -2), torch.tensor(0.0)).sum(-1)
             ratio = (ex / mp.clamp_min(1e-30)).log()
             if mode == "rowmax":  # the far weights carry the row's largest near logit
@@ -173,7 +219,8 @@ for layer in layer_ids:
             opt.zero_grad()
             loss.backward()
             opt.step()
-        res[mode] = err(P, mode, test)
+        res[mode] = err(P, mode, test, per_head)
+        res[mode + "_fit"] = err(P, mode, fit)
         res[mode + "_s"] = round(time.time() - t0, 1)
     print(
         layer,
@@ -181,3 +228,5 @@ for layer in layer_ids:
         {m: round(res[m] / res["base"], 3) for m in sys.argv[3].split(",")},
         flush=True,
     )
+    for name, values in per_head.items():
+        print(f"  per head, {name}:", values, flush=True)

@@ -2,7 +2,9 @@
 
 The projection is a :class:`Projection` variable (non-trainable: ``nnx.grad`` over
 ``nnx.Param`` leaves it alone), saved with the module's state; a fitted map's parameters
-(``feature_map=``, :mod:`linattn.fitted`) are :class:`FittedParameter` variables likewise.
+(``feature_map=``, :mod:`linattn.fitted`) are :class:`FittedParameter` variables likewise,
+or ``nnx.Param`` variables trained through :func:`linattn.jax.fitted_attention` when the
+module is built with ``train_map=True``.
 The feature map used under ``nnx.jit`` is static data made from it on the host, so
 jitted calls see a fixed draw and only a redraw retraces; the decoding state is a pytree
 (:class:`linattn.LinearAttentionState`), so it passes in and out of jitted functions.
@@ -21,6 +23,7 @@ from linattn._call import hybrid_options
 from linattn._layer_maps import fitted_template
 from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap, Kind
+from linattn.jax import fitted_attention
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState
 
@@ -43,8 +46,15 @@ class FastAttention(nnx.Module):
     """Random-feature attention on ``(B, H, L, d)`` arrays (grouped key heads allowed).
 
     Parameters are those of :class:`linattn.torch.FastAttention` (``feature_map=`` a
-    fitted map, ``window`` and ``sink_keys`` included) without the redraw schedule: call
-    :meth:`redraw_projection` between (jitted) steps to redraw.
+    fitted map, ``window``, ``sink_keys`` and ``train_map`` included) without the redraw
+    schedule: call :meth:`redraw_projection` between (jitted) steps to redraw.  With
+    ``train_map=True`` the fitted map's parameters are ``nnx.Param`` variables (the names
+    of the :class:`FittedParameter` ones, so states load either way) and every call runs
+    :func:`linattn.jax.fitted_attention` on them, the far weight used as ``max(g, 0)``:
+    ``nnx.grad`` trains them with the model's own parameters (on the host: see
+    :mod:`linattn.jax`).  Decoding (``state``, ``return_state``) needs a module built
+    with ``train_map=False`` from the trained map (:meth:`sync_projection`, then
+    ``feature_map=module.feature_map``).
 
     Examples
     --------
@@ -62,6 +72,14 @@ class FastAttention(nnx.Module):
     >>> fm = la.FeatureMap.fitted(np.zeros((2, 8, 4)), tied=True, far_weight=0.5)
     >>> FastAttention(8, feature_map=fm, window=2, sink_keys=1)(x, x, x).shape
     (1, 2, 5, 8)
+
+    The same map trained (``nnx.grad`` reaches its parameters):
+
+    >>> from flax import nnx
+    >>> layer = FastAttention(8, feature_map=fm, window=2, sink_keys=1, train_map=True)
+    >>> grads = nnx.grad(lambda m: m(x, x, x).sum())(layer)
+    >>> grads["query_weight"][...].shape
+    (2, 8, 4)
     """
 
     def __init__(
@@ -79,7 +97,10 @@ class FastAttention(nnx.Module):
         scale: float | None = None,
         rebalance: bool | None = None,
         chunk_size: int | None = None,
+        train_map: bool = False,
     ) -> None:
+        if not isinstance(train_map, bool):
+            raise TypeError(f"train_map must be True or False; got {train_map!r}")
         kind = kind if kind is not None else ("hyperbolic" if causal else "hyperbolic_oprf")
         rebalance = (not causal) if rebalance is None else rebalance
         if feature_map is not None:
@@ -102,8 +123,15 @@ class FastAttention(nnx.Module):
         )
         parameters = self.feature_map.parameters
         self.fitted = parameters is not None
+        if train_map and not self.fitted:
+            raise ValueError(
+                f"train_map=True needs a fitted map (feature_map= or kind='hedgehog'); got "
+                f"kind={self.feature_map.kind!r}"
+            )
+        self.train_map = train_map
+        variable = nnx.Param if train_map else FittedParameter
         for name, value in ({} if parameters is None else parameters.arrays()).items():
-            setattr(self, name, FittedParameter(jnp.asarray(value)))
+            setattr(self, name, variable(jnp.asarray(value)))
 
     def __call__(
         self,
@@ -118,6 +146,8 @@ class FastAttention(nnx.Module):
         broadcasting against ``(B, H, L_k)``)."""
         if key_mask is not None and key_mask.ndim == 2 and q.ndim == 4:
             key_mask = key_mask[:, None, :]
+        if self.train_map:
+            return self._train_map_call(q, k, v, key_mask, state, return_state)
         result = linear_attention(
             q,
             k,
@@ -131,6 +161,32 @@ class FastAttention(nnx.Module):
             **self.hybrid,
         )
         return result
+
+    def _train_map_call(
+        self, q: Any, k: Any, v: Any, key_mask: Any, state: Any, return_state: bool
+    ) -> Any:
+        """:func:`linattn.jax.fitted_attention` on the ``nnx.Param`` variables."""
+        if state is not None or return_state:
+            raise ValueError(
+                "state and return_state need a module built with train_map=False: call "
+                "sync_projection(), then FastAttention(..., feature_map=module.feature_map); "
+                f"got state={'given' if state is not None else None}, "
+                f"return_state={return_state!r}"
+            )
+        values = {name: getattr(self, name).get_value() for name in FITTED if hasattr(self, name)}
+        values["far_weight"] = jnp.maximum(values["far_weight"], 0.0)
+        return fitted_attention(
+            q,
+            k,
+            v,
+            **values,
+            tied="key_weight" not in values,
+            causal=self.causal,
+            key_mask=key_mask,
+            scale=self.feature_map.scale,
+            chunk_size=self.chunk_size,
+            **self.hybrid,
+        )
 
     def redraw_projection(self) -> None:
         """Draw the next projection, from ``seed + draws + 1`` (host code: not under jit)."""

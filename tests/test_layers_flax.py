@@ -100,3 +100,59 @@ def test_a_fitted_map_is_state_that_round_trips() -> None:
     nnx.update(other, nnx.state(layer))
     other.sync_projection()
     np.testing.assert_allclose(np.asarray(run(other, x)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_train_map_trains_the_fitted_parameters() -> None:
+    """``train_map=True``: the fitted parameters are nnx.Param variables under the
+    FittedParameter names; the module's output equals the frozen module's (eager and
+    under nnx.jit), nnx.grad reaches every parameter, gradient steps lower the error to
+    softmax attention, the state loads into a frozen module; a negative far weight acts
+    as 0 (no gradient); decoding and a random map are refused by name."""
+    rng = np.random.default_rng(2)
+    fm = la.FeatureMap.fitted(
+        rng.normal(size=(H, D, 3)), rng.normal(size=(H, 3)),
+        key_weight=rng.normal(size=(H, D, 3)), key_bias=rng.normal(size=(H, 3)),
+        far_weight=[0.4, 2.0],
+    )  # fmt: skip
+    options = {"feature_map": fm, "window": 2, "sink_keys": 1}
+    frozen = FastAttention(D, **options)
+    layer = FastAttention(D, train_map=True, **options)
+    names = ["far_weight", "key_bias", "key_weight", "query_bias", "query_weight"]
+    assert sorted(nnx.state(layer, nnx.Param).keys()) == names
+    x = _x()
+    np.testing.assert_allclose(np.asarray(layer(x, x, x)), np.asarray(frozen(x, x, x)),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    run = nnx.jit(lambda module, y: module(y, y, y))
+    np.testing.assert_allclose(np.asarray(run(layer, x)), np.asarray(frozen(x, x, x)),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    target = jnp.asarray(la.softmax_attention(*(np.asarray(x),) * 3))
+
+    def loss(module: FastAttention) -> jax.Array:
+        return jnp.mean((module(x, x, x) - target) ** 2)
+
+    step = nnx.jit(nnx.value_and_grad(loss))
+    errors = []
+    for _ in range(10):
+        value, grads = step(layer)
+        assert all(float(jnp.abs(grads[name][...]).sum()) > 0 for name in names)
+        for name in names:
+            variable = getattr(layer, name)
+            variable.set_value(variable.get_value() - 10.0 * grads[name][...])
+        errors.append(float(value))
+    assert errors[-1] < 0.9 * errors[0], errors
+    frozen_state = nnx.state(frozen)
+    nnx.update(frozen, {**frozen_state, **nnx.state(layer, nnx.Param)})
+    frozen.sync_projection()
+    np.testing.assert_allclose(np.asarray(frozen(x, x, x)), np.asarray(layer(x, x, x)),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    layer.far_weight.set_value(jnp.asarray([-0.5, 1.0]))
+    negative = layer(x, x, x)
+    layer.far_weight.set_value(jnp.asarray([0.0, 1.0]))
+    np.testing.assert_allclose(np.asarray(negative), np.asarray(layer(x, x, x)), rtol=0, atol=0)
+    layer.far_weight.set_value(jnp.asarray([-0.5, 1.0]))
+    grads = nnx.grad(loss)(layer)
+    assert float(grads["far_weight"][...][0]) == 0.0 and float(grads["far_weight"][...][1]) != 0
+    with pytest.raises(ValueError, match="state and return_state need a module built"):
+        layer(x, x, x, return_state=True)
+    with pytest.raises(ValueError, match="train_map=True needs a fitted map"):
+        FastAttention(D, 16, train_map=True)

@@ -385,3 +385,25 @@ def test_train_map_trains_the_fitted_parameters() -> None:
     assert layer.far_weight.grad[0] == 0.0 and layer.far_weight.grad[1] != 0.0
     with pytest.raises(ValueError, match="train_map=True needs a fitted map"):
         FastAttention(D, 16, train_map=True)
+
+
+def test_multihead_attention_trains_a_fitted_map() -> None:
+    """MultiheadAttention hands ``feature_map=`` and ``train_map=True`` to its
+    FastAttention: the map's parameters train with the projections (each gets a
+    gradient) and the output is the buffer layer's."""
+    rng = np.random.default_rng(2)
+    fm = la.FeatureMap.fitted(
+        rng.normal(size=(2, D, 3)), rng.normal(size=(2, 3)), far_weight=[0.5, 2.0], tied=True
+    )
+    mha = torch.nn.MultiheadAttention(2 * D, 2, batch_first=True)
+    options = {"feature_map": fm, "window": 3, "sink_keys": 1}
+    frozen = MultiheadAttention.from_torch(mha, **options)
+    fast = MultiheadAttention.from_torch(mha, train_map=True, **options)
+    names = {name for name, _ in fast.named_parameters()}
+    assert {"attention.query_weight", "attention.query_bias", "attention.far_weight"} <= names
+    x = torch.randn(B, L, 2 * D)
+    out, _ = fast(x, x, x)
+    torch.testing.assert_close(out, frozen(x, x, x)[0])
+    out.square().sum().backward()
+    for name, parameter in fast.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
