@@ -1,13 +1,14 @@
-"""What ``refine`` should differentiate: its dense torch hybrid or the library's path?
+"""Where the dense form of a fitted call beats the library's path (``DENSE_MAX_LENGTH``).
 
 One MiniLM-sized attention call (12 heads, d = 32, m = 64, window 16 + 1 sink + an exact
 key per row, the last row a quarter padded), forward and backward in q, k, v and every
-map parameter, timed for ``transformers_refine.dense_hybrid`` (dense ``L x L``) and for
-``linattn.torch.fitted_attention`` (the library's forward pass, its backward
-``linear_attention_vjp(parameters=True)``), best of three, in one run; and their largest
-output difference.
+map parameter, timed for ``linattn.torch.fitted_attention`` forced to the library's path
+(``dense=False``: forward ``linear_attention``, backward
+``linear_attention_vjp(parameters=True)``) and to its dense form (``dense=True``:
+``linattn._fitted_call.dense_hybrid``, torch autograd), best of three, in one run; and
+their largest output difference.
 
-    python benchmarks/refine_attention_speed.py --batch 8 --lengths 128 256 512
+    python benchmarks/refine_attention_speed.py --batch 8 --lengths 128 256 384 512
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import time
 
 import torch
 
-from linattn.integrations.transformers_convert import AttentionCall
-from linattn.integrations.transformers_refine import dense_hybrid
 from linattn.torch import fitted_attention
 
 
@@ -39,22 +38,24 @@ def measure(batch: int, length: int) -> None:
         "key_bias": torch.zeros(heads, half, requires_grad=True),
     }
     log_g = torch.zeros(heads, requires_grad=True)
-    call = AttentionCall(None, q, k, v, None, d**-0.5, False, {}, key_mask, exact, False)
     options = {"window": 16, "sink_keys": 1}
 
-    def dense() -> torch.Tensor:
-        return dense_hybrid(call, {**p, "log_far_weight": log_g}, **options)
-
-    def library() -> torch.Tensor:
+    def call(dense: bool) -> torch.Tensor:
         out = fitted_attention(
             q, k, v, **p, far_weight=log_g.exp(), key_mask=key_mask,
-            exact_key_mask=exact, **options,
+            exact_key_mask=exact, dense=dense, **options,
         )  # fmt: skip
         return out.transpose(1, 2)
 
+    def library() -> torch.Tensor:
+        return call(False)
+
+    def fitted_dense() -> torch.Tensor:
+        return call(True)
+
     grad = torch.randn(batch, length, heads, d)
     times = {}
-    for name, run in (("dense", dense), ("library", library)):
+    for name, run in (("library", library), ("dense", fitted_dense)):
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
@@ -63,9 +64,9 @@ def measure(batch: int, length: int) -> None:
             best = min(best, time.perf_counter() - start)
         times[name] = best
     with torch.no_grad():
-        difference = float((dense() - library()).abs().max())
+        difference = float((fitted_dense() - library()).abs().max())
     print(
-        f"L={length}: dense {times['dense']:.3f} s, library {times['library']:.3f} s "
+        f"L={length}: library {times['library']:.3f} s, dense {times['dense']:.3f} s "
         f"(library / dense {times['library'] / times['dense']:.2f}), max |diff| "
         f"{difference:.1e}",
         flush=True,

@@ -3,25 +3,27 @@ differentiable in them with ``jax.grad`` and usable under ``jax.jit``.
 
 A :class:`linattn.FeatureMap` holds its parameters on the host and is static data under
 ``jax.jit`` (see :mod:`linattn._jax`), so ``jax.grad`` cannot reach them.  Here the
-parameters are arguments: the forward pass is :func:`linattn.linear_attention` on the
-host values (NumPy, the compiled CPU kernels where they serve), the backward pass
-:func:`linattn.linear_attention_vjp` with ``parameters=True``, both through
-``jax.pure_callback`` under a ``jax.custom_vjp``.  The arrays travel to the host and
-back: on an accelerator, fit on the CPU.  Importing :mod:`linattn` never imports this
-module (or JAX).
+parameters are arguments.  At training lengths (self-attention of at most
+:data:`linattn._fitted_call.DENSE_MAX_LENGTH` tokens) the call is the dense form of the
+hybrid in ``jax.numpy``, which JAX differentiates, jits and places itself.  Longer
+inputs take the library's path: the forward pass is :func:`linattn.linear_attention`
+on the host values (NumPy, the compiled CPU kernels where they serve), the backward
+pass :func:`linattn.linear_attention_vjp` with ``parameters=True``, both through
+``jax.pure_callback`` under a ``jax.custom_vjp``; those arrays travel to the host and
+back.  Importing :mod:`linattn` never imports this module (or JAX).
 """
 
 from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linattn._plan import plan_attention
+from linattn._fitted_call import check_call, dense_hybrid, use_dense
 from linattn.attention import linear_attention
 from linattn.features import FeatureMap
 from linattn.vjp import linear_attention_vjp
@@ -52,10 +54,16 @@ def fitted_attention(
     exact_key_mask: jax.Array | None = None,
     scale: float | None = None,
     chunk_size: int | None = None,
+    dense: bool | None = None,
 ) -> jax.Array:
     """:func:`linattn.linear_attention` with a fitted map whose parameters are JAX
     arrays, differentiable in them as in ``q``, ``k`` and ``v`` (``jax.grad``,
     ``jax.jit``).
+
+    Self-attention of at most :data:`linattn._fitted_call.DENSE_MAX_LENGTH` tokens
+    (training lengths) runs the dense form, the same hybrid as ``L x L`` weights per
+    head in ``jax.numpy``, differentiated by JAX on the arrays' device (no callback);
+    longer inputs the library's path on the host, below.  ``dense=`` forces either.
 
     The map is :meth:`linattn.FeatureMap.fitted` of the parameters' values, checked
     there and by the front door before any callback (shapes, heads, options; under
@@ -72,6 +80,8 @@ def fitted_attention(
         As for :meth:`linattn.FeatureMap.fitted` (``key_*`` absent when ``tied``).
     causal, key_mask, window, sink_keys, exact_key_mask, chunk_size
         As for :func:`linattn.linear_attention`.
+    dense : bool, optional
+        As for :func:`linattn.torch.fitted_attention`.
 
     Returns
     -------
@@ -98,6 +108,18 @@ def fitted_attention(
     present = tuple(x is not None for x in given)
     arrays = tuple(jnp.asarray(x) for x in (q, k, v, *given) if x is not None)
     _check(static, present, arrays)
+    if use_dense(dense, None, q, k):
+        q, k, v, *rest = arrays  # as JAX arrays
+        values = iter(rest)
+        named = {
+            name: next(values) if here else None
+            for name, here in zip(PARAMETERS + MASKS, present, strict=True)
+        }
+        dense_out: jax.Array = dense_hybrid(
+            q, k, v, named.pop("query_weight"), **named, tied=tied, causal=causal,
+            window=window, sink_keys=sink_keys, scale=scale,
+        )  # fmt: skip
+        return dense_out
     out: jax.Array = _attention(static, present, *arrays)
     return out
 
@@ -121,14 +143,7 @@ def _check(
             value = np.zeros(x.shape, x.dtype)
         stand_ins.append(value)
     (q, k, v), feature_map, options = _host_call(static, present, tuple(stand_ins))
-    plan_attention(q, k, v, feature_map, **options)
-    roles: tuple[tuple[np.ndarray, Literal["query", "key"]], ...] = ((q, "query"), (k, "key"))
-    for x, role in roles:  # the parameters' heads against the inputs'
-        try:
-            feature_map.log_features(x[..., :1, :], role=role)  # one token: cheap
-        except ValueError:
-            feature_map.log_features(x, role=role)  # the error, naming the inputs' shape
-            raise
+    check_call(q, k, v, feature_map, options)
 
 
 def _host_call(

@@ -27,6 +27,7 @@ from torch.nn import functional
 
 from linattn._call import hybrid_options
 from linattn._dispatch import Backend
+from linattn._fitted_call import check_call, dense_hybrid, use_dense
 from linattn._layer_maps import fitted_template
 from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap, Kind
@@ -62,18 +63,21 @@ def fitted_attention(
     scale: float | None = None,
     chunk_size: int | None = None,
     backend: Backend | None = None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
     """:func:`linattn.linear_attention` with a fitted map whose parameters are tensors,
     differentiable in them as in ``q``, ``k`` and ``v``.
 
     The map is :meth:`linattn.FeatureMap.fitted` of the parameters' values (checked
-    there: shapes, heads, ``far_weight >= 0``); the forward pass is
-    :func:`linattn.linear_attention`'s (its compiled kernels included), the backward pass
-    :func:`linattn.linear_attention_vjp` with ``parameters=True``.  So a training loop
-    fits maps and far weights on the library's own paths (no dense ``L x L``
-    re-implementation), with the model's weights frozen or not.  ``far_weight`` must
-    stay non-negative: parametrise it (``far_weight=log_g.exp()``); a head with ``g =
-    0`` has chosen the exact parts and gets no gradient.
+    there: shapes, heads, ``far_weight >= 0``).  Long inputs take the library's path: the
+    forward pass is :func:`linattn.linear_attention`'s (its compiled kernels included),
+    the backward pass :func:`linattn.linear_attention_vjp` with ``parameters=True``, on
+    host copies.  Self-attention of at most
+    :data:`linattn._fitted_call.DENSE_MAX_LENGTH` tokens (training lengths) takes the
+    dense form, the same hybrid as ``L x L`` weights per head in torch, differentiated
+    by autograd on the tensors' device (faster there; ``dense=`` forces either).
+    ``far_weight`` must stay non-negative: parametrise it (``far_weight=log_g.exp()``);
+    a head with ``g = 0`` has chosen the exact parts and gets no gradient.
 
     Parameters
     ----------
@@ -84,6 +88,11 @@ def fitted_attention(
         tensors, gradients for those that require them.
     causal, key_mask, window, sink_keys, exact_key_mask, chunk_size, backend
         As for :func:`linattn.linear_attention`.
+    dense : bool, optional
+        ``True``: the dense form; ``False``: the library's path; ``None`` (default):
+        the dense form for self-attention of at most ``DENSE_MAX_LENGTH`` tokens when no
+        ``backend`` is named (:func:`linattn._fitted_call.use_dense`, the one place that
+        chooses).
 
     Returns
     -------
@@ -102,12 +111,24 @@ def fitted_attention(
     torch.Size([2, 4, 4])
     """
     parameters = (query_weight, query_bias, key_weight, key_bias, far_weight)
+    values = {
+        name: value.detach() if isinstance(value, torch.Tensor) else value
+        for name, value in zip(FITTED_BUFFERS, parameters, strict=True)
+    }
+    feature_map = FeatureMap.fitted(values.pop("query_weight"), **values, tied=tied, scale=scale)
     options = {
-        "tied": tied, "scale": scale, "causal": causal, "key_mask": key_mask, "window": window,
-        "sink_keys": sink_keys, "exact_key_mask": exact_key_mask, "chunk_size": chunk_size,
-        "backend": backend,
+        "causal": causal, "key_mask": key_mask, "window": window, "sink_keys": sink_keys,
+        "exact_key_mask": exact_key_mask, "chunk_size": chunk_size, "backend": backend,
     }  # fmt: skip
-    out: torch.Tensor = _FittedAttention.apply(options, q, k, v, *parameters)
+    if use_dense(dense, backend, q, k):
+        check_call(q, k, v, feature_map, options)
+        dense_out: torch.Tensor = dense_hybrid(
+            q, k, v, query_weight, query_bias, key_weight=key_weight, key_bias=key_bias,
+            far_weight=far_weight, tied=tied, causal=causal, key_mask=key_mask,
+            window=window, sink_keys=sink_keys, exact_key_mask=exact_key_mask, scale=scale,
+        )  # fmt: skip
+        return dense_out
+    out: torch.Tensor = _FittedAttention.apply(feature_map, options, q, k, v, *parameters)
     return out
 
 
@@ -115,41 +136,23 @@ class _FittedAttention(torch.autograd.Function):
     """``linear_attention`` forward, ``linear_attention_vjp(parameters=True)`` backward."""
 
     @staticmethod
-    def _map(options: dict[str, Any], parameters: tuple[Any, ...]) -> FeatureMap:
-        values = {
-            name: value.detach() if isinstance(value, torch.Tensor) else value
-            for name, value in zip(FITTED_BUFFERS, parameters, strict=True)
-        }
-        return FeatureMap.fitted(
-            values.pop("query_weight"), **values, tied=options["tied"], scale=options["scale"]
-        )
-
-    @staticmethod
-    def _call_options(options: dict[str, Any]) -> dict[str, Any]:
-        return {name: value for name, value in options.items() if name not in ("tied", "scale")}
-
-    @staticmethod
     def forward(
-        ctx: Any, options: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        *parameters: Any,
+        ctx: Any, feature_map: FeatureMap, options: dict[str, Any], q: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor, *parameters: Any,
     ) -> torch.Tensor:  # fmt: skip
-        feature_map = _FittedAttention._map(options, parameters)
         ctx.feature_map, ctx.options = feature_map, options
         ctx.parameters = parameters
         ctx.save_for_backward(q, k, v)
-        out: torch.Tensor = linear_attention(
-            q, k, v, feature_map, **_FittedAttention._call_options(options)
-        )
+        out: torch.Tensor = linear_attention(q, k, v, feature_map, **options)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         dq, dk, dv, d_parameters = linear_attention_vjp(
-            q, k, v, ctx.feature_map, grad.contiguous(), parameters=True,
-            **_FittedAttention._call_options(ctx.options),
-        )  # fmt: skip
-        out: list[Any] = [None, dq, dk, dv]
+            q, k, v, ctx.feature_map, grad.contiguous(), parameters=True, **ctx.options
+        )
+        out: list[Any] = [None, None, dq, dk, dv]
         for name, value in zip(FITTED_BUFFERS, ctx.parameters, strict=True):
             wanted = isinstance(value, torch.Tensor) and value.requires_grad
             cotangent = d_parameters.get(name)

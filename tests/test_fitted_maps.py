@@ -569,11 +569,31 @@ def test_attention_vjp_parameters_match_finite_differences() -> None:
         la.linear_attention_vjp(q, k, v, la.FeatureMap(D, 8), grad, parameters=True)
 
 
+def test_dense_or_library_path_is_chosen_in_one_place() -> None:
+    """``use_dense``: the dense form for self-attention up to DENSE_MAX_LENGTH tokens with
+    no backend named; ``dense=`` forces either; bad values are named."""
+    from linattn._fitted_call import DENSE_MAX_LENGTH, use_dense
+
+    def x(length: int) -> np.ndarray:
+        return np.broadcast_to(np.zeros(()), (1, 2, length, D))
+
+    short, long = x(DENSE_MAX_LENGTH), x(DENSE_MAX_LENGTH + 1)
+    assert use_dense(None, None, short, short) and not use_dense(None, None, long, long)
+    assert not use_dense(None, "numba", short, short)  # a named backend: the library
+    assert not use_dense(None, None, x(3), x(4))  # cross-attention: the library
+    assert use_dense(True, None, long, long) and not use_dense(False, None, short, short)
+    with pytest.raises(ValueError, match="dense=True computes in the caller's array library"):
+        use_dense(True, "numba", short, short)
+    with pytest.raises(TypeError, match="dense must be None, True or False; got 'yes'"):
+        use_dense("yes", None, short, short)
+
+
 def test_torch_fitted_attention_differentiates_the_parameters() -> None:
     """``linattn.torch.fitted_attention``: torch autograd in q, k, v and every parameter
     equals ``linear_attention_vjp(parameters=True)`` (held to finite differences above),
-    on the compiled kernels and on the array-API path; a ``g = 0`` head's far weight gets
-    0, a tensor that does not require gradients none."""
+    in the dense form (autograd) and on the library's path (``_FittedAttention``: the
+    compiled kernels and the array-API path); a ``g = 0`` head's far weight gets 0, a
+    tensor that does not require gradients none."""
     torch = pytest.importorskip("torch")
     from linattn.torch import fitted_attention
 
@@ -598,12 +618,19 @@ def test_torch_fitted_attention_differentiates_the_parameters() -> None:
         t_options = {
             n: torch.tensor(x) if isinstance(x, np.ndarray) else x for n, x in options.items()
         }
-        for backend in (None, "array_api"):
+        for backend, dense in ((None, None), (None, False), ("array_api", None)):
             inputs = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
             seen.add(la.plan_attention(*inputs, fm, backend=backend, **t_options).executor)
             out = fitted_attention(
-                *inputs, **tensors, tied=fm.parameters.tied, backend=backend, **t_options
+                *inputs,
+                **tensors,
+                tied=fm.parameters.tied,
+                backend=backend,
+                dense=dense,
+                **t_options,
             )
+            library = type(out.grad_fn).__name__ == "_FittedAttentionBackward"
+            assert library == (dense is False or backend is not None)  # 5 tokens: dense
             _close(out.detach().numpy(), la.linear_attention(q, k, v, fm, **options))
             (out * torch.tensor(grad)).sum().backward()
             for tensor, want in zip(inputs, expected_inputs, strict=True):
@@ -624,19 +651,28 @@ def test_torch_fitted_attention_differentiates_the_parameters() -> None:
     tensors = {name: torch.tensor(np.array(x), dtype=torch.float32) for name, x in arrays.items()}
     tensors["key_weight"].requires_grad_()
     options = {**options, "exact_key_mask": torch.tensor(exact)}
-    fitted_attention(q.requires_grad_(), k, v, **tensors, **options).sum().backward()
-    assert tensors["key_weight"].grad.dtype == torch.float32
-    assert all(t.grad is None for n, t in tensors.items() if n != "key_weight")
-    assert k.grad is None and q.grad is not None
-    with pytest.raises(ValueError, match="far_weight must be non-negative"):
-        fitted_attention(q, k, v, **{**tensors, "far_weight": torch.tensor([-0.1, 1.0])})
+    for dense in (True, False):
+        out = fitted_attention(q.requires_grad_(), k, v, **tensors, **options, dense=dense)
+        out.sum().backward()
+        assert tensors["key_weight"].grad.dtype == torch.float32
+        assert all(t.grad is None for n, t in tensors.items() if n != "key_weight")
+        assert k.grad is None and q.grad is not None
+        tensors["key_weight"].grad = None
+    for dense in (True, False):
+        negative = {**tensors, "far_weight": torch.tensor([-0.1, 1.0])}
+        with pytest.raises(ValueError, match="far_weight must be non-negative"):
+            fitted_attention(q, k, v, **negative, dense=dense)
+        wrong_heads = r"query_weight has heads \(4\) needs inputs \(\.\.\., 4, L, d\); got shape"
+        with pytest.raises(ValueError, match=wrong_heads):
+            fitted_attention(q[:, :2], k[:, :1], v[:, :1], **tensors, dense=dense)
 
 
 @pytest.mark.needs("jax")
 def test_jax_fitted_attention_differentiates_the_parameters() -> None:
     """``linattn.jax.fitted_attention``: ``jax.grad`` (eager and under ``jax.jit``) in q,
-    k, v and every parameter equals ``linear_attention_vjp(parameters=True)``; masks are
-    arguments, a ``g = 0`` head's far weight gets 0."""
+    k, v and every parameter equals ``linear_attention_vjp(parameters=True)``, in the
+    dense form (no callback in the jaxpr) and on the library's path through the host
+    callback; masks are arguments, a ``g = 0`` head's far weight gets 0."""
     jax = pytest.importorskip("jax")
     from linattn.jax import fitted_attention
 
@@ -662,20 +698,27 @@ def test_jax_fitted_attention_differentiates_the_parameters() -> None:
                 n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in options.items()
             }
 
-            def loss(inputs, parameters, j_options=j_options, tied=tied, g=grad):
-                out = fitted_attention(*inputs, **parameters, tied=tied, **j_options)
-                return jnp.sum(jnp.asarray(g) * out)
-
             inputs = tuple(jnp.asarray(a) for a in (q, k, v))
-            out = fitted_attention(*inputs, **arrays, tied=tied, **j_options)
-            _close(out, la.linear_attention(q, k, v, fm, **options))
-            for differentiate in (jax.grad(loss, (0, 1)), jax.jit(jax.grad(loss, (0, 1)))):
-                d_inputs, d_parameters = differentiate(inputs, arrays)
-                for got, want in zip(d_inputs, expected_inputs, strict=True):
-                    _close(got, want)
-                assert sorted(d_parameters) == sorted(expected)
-                for name, got in d_parameters.items():
-                    np.testing.assert_allclose(got, expected[name], rtol=1e-9, atol=1e-12)
+            for dense in (None, False):  # 5 tokens: the dense form, or the host callback
+
+                def call(inputs, parameters, j_options=j_options, tied=tied, dense=dense):
+                    return fitted_attention(
+                        *inputs, **parameters, tied=tied, dense=dense, **j_options
+                    )
+
+                def loss(inputs, parameters, call=call, g=grad):
+                    return jnp.sum(jnp.asarray(g) * call(inputs, parameters))
+
+                traced = str(jax.make_jaxpr(call)(inputs, arrays))
+                assert ("pure_callback" in traced) == (dense is False)
+                _close(call(inputs, arrays), la.linear_attention(q, k, v, fm, **options))
+                for differentiate in (jax.grad(loss, (0, 1)), jax.jit(jax.grad(loss, (0, 1)))):
+                    d_inputs, d_parameters = differentiate(inputs, arrays)
+                    for got, want in zip(d_inputs, expected_inputs, strict=True):
+                        _close(got, want)
+                    assert sorted(d_parameters) == sorted(expected)
+                    for name, got in d_parameters.items():
+                        np.testing.assert_allclose(got, expected[name], rtol=1e-9, atol=1e-12)
             if "exact_key_mask" in options:  # the g = 0 head chose the exact parts
                 assert expected["far_weight"][0] == 0.0 and expected["far_weight"][1] != 0.0
         # Errors are raised before any callback (JAX would wrap them), under jit too.

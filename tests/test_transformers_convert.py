@@ -12,7 +12,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import linattn as la  # noqa: E402
-from linattn.fitted import log_far_weight  # noqa: E402
 from linattn.integrations.transformers import (  # noqa: E402
     LinearAttentionCache,
     convert,
@@ -24,7 +23,7 @@ from linattn.integrations.transformers_convert import (  # noqa: E402
     layer_errors,
     model_fingerprint,
 )
-from linattn.integrations.transformers_refine import dense_hybrid  # noqa: E402
+from linattn.torch import fitted_attention  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 VOCAB, L, WINDOW, SINKS = 50, 20, 3, 1
@@ -373,8 +372,9 @@ def _final_error(model: torch.nn.Module, seeds: tuple[int, ...]) -> float:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_dense_hybrid_refine_fits_is_the_model_path(name: str) -> None:
-    """refine differentiates a dense torch hybrid: it computes what the library runs
-    (window, sinks, [CLS]/[SEP], causality, padding, grouped-query heads, g = 0 heads)."""
+    """refine differentiates ``fitted_attention``, whose dense form (training lengths)
+    computes what the library runs (window, sinks, [CLS]/[SEP], causality, padding,
+    grouped-query heads, g = 0 heads)."""
     model, _ = _converted(name)
     batch = _batch(4)
     module = next(m for m in model.modules() if "_linattn_fitted" in m.__dict__)
@@ -386,20 +386,18 @@ def test_the_dense_hybrid_refine_fits_is_the_model_path(name: str) -> None:
         m.__dict__["_linattn_fitted"] = fm.with_parameters(far_weight=far)
 
     def dense(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kw):  # type: ignore[no-untyped-def]
-        from linattn.integrations import transformers_convert as tc
 
         fm = module._linattn_fitted.parameters
-        values = {n: torch.tensor(a) for n, a in fm.arrays().items() if n != "far_weight"}
-        values["log_far_weight"] = torch.tensor(log_far_weight(fm))
+        values = {n: torch.tensor(a) for n, a in fm.arrays().items()}
         causal = bool(getattr(module, "is_causal", False))
         key_mask = batch["attention_mask"].bool()[:, None]
         exact = None if causal else _first_and_last(batch["attention_mask"])[:, None]
-        call = tc.AttentionCall(
-            module, query.double(), key.double(), value.double(), attention_mask, scaling,
-            is_causal, kw, key_mask, exact, causal,
+        out = fitted_attention(
+            query.double(), key.double(), value.double(), values.pop("query_weight"),
+            **values, tied=fm.tied, causal=causal, key_mask=key_mask, exact_key_mask=exact,
+            window=WINDOW, sink_keys=SINKS, scale=scaling, dense=True,
         )  # fmt: skip
-        out = dense_hybrid(call, values, window=WINDOW, sink_keys=SINKS)
-        return out.to(query.dtype), None
+        return out.transpose(1, 2).to(query.dtype), None
 
     try:
         torch.testing.assert_close(

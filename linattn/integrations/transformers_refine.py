@@ -9,10 +9,11 @@ embeddings), the model's weights frozen (only the maps' parameters get gradients
 ``torch.autograd.grad`` leaves every ``.grad`` of the model as it was), the step kept
 that gives the lowest error on the validation batches.
 
-During the fit each attention call runs a dense, differentiable torch version of the
-fitted hybrid (:func:`dense_hybrid`: the formula of :mod:`linattn.fitted`, ``L x L``
-per call, as the per-layer fit's); afterwards the model runs the library's own path
-with the refined maps (a test holds the two equal).  Measured on all-MiniLM-L6-v2
+During the fit each attention call runs :func:`linattn.torch.fitted_attention` on the
+maps' parameters as tensors (the dense form of the hybrid at training lengths, the
+library's path beyond: :func:`linattn._fitted_call.use_dense` chooses), so autograd
+carries the gradient from the last layer back to every map; afterwards the model runs
+the library's own path with the refined maps.  Measured on all-MiniLM-L6-v2
 (``benchmarks/transfer_end_to_end.py``; figures in ``docs/estimators.md``).
 """
 
@@ -42,8 +43,9 @@ from linattn.integrations.transformers_convert import (
     save_state,
     use_linattn,
 )
+from linattn.torch import fitted_attention
 
-__all__ = ["dense_hybrid", "refine"]
+__all__ = ["refine"]
 
 
 @dataclass
@@ -81,104 +83,6 @@ def _layer(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) ->
     return _Layer(module, fm, values, far_on)
 
 
-def _heads(param: torch.Tensor, trailing: int, group: int) -> torch.Tensor:
-    """Per-head ``(H, ...)`` parameters as ``(H / group, group, ...)`` (shared: as is)."""
-    if param.ndim == trailing:
-        return param
-    return param.reshape(param.shape[0] // group, group, *param.shape[1:])
-
-
-def _log_phi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    u = x @ weight + bias.unsqueeze(-2)
-    return torch.log_softmax(torch.cat([u, -u], dim=-1), dim=-1)
-
-
-def dense_hybrid(
-    call: AttentionCall,
-    parameters: Mapping[str, torch.Tensor],
-    *,
-    window: int | None,
-    sink_keys: int,
-) -> torch.Tensor:
-    """The fitted hybrid of one attention call, dense and differentiable in everything.
-
-    ``out_i = softmax_j(s q_i.k_j on near keys; log(g phi(q_i).phi(k_j)) on far ones)
-    v_j``: near keys are the window, the sinks and the call's exact keys, far keys every
-    other real (and, causal, past) key; ``phi`` the Hedgehog map of
-    :mod:`linattn.fitted`.  ``L x L`` memory per head: for fitting on calibration
-    batches, not for inference (the library's own path computes the same output).
-
-    Parameters
-    ----------
-    call : AttentionCall
-        The integration's call (queries ``(B, H, L, d)``, keys/values ``(B, H_kv, L, .)``,
-        its key mask, exact-key mask and causality).
-    parameters : mapping of str to tensor
-        ``query_weight``, ``query_bias``, optionally ``key_weight``/``key_bias`` (tied
-        otherwise), and ``log_far_weight`` (``log g``, ``()`` or ``(H_kv,)``); shapes as
-        :class:`linattn.fitted.FittedParameters`.
-    window, sink_keys
-        The exact parts, as the model runs them.
-
-    Returns
-    -------
-    tensor, shape ``(B, L, H, d_v)``
-        transformers' attention output layout, in the queries' dtype.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from linattn.integrations.transformers_convert import AttentionCall
-    >>> q = k = v = torch.randn(1, 2, 5, 4)
-    >>> call = AttentionCall(None, q, k, v, None, 0.5, False, {}, None, None, False)
-    >>> p = {"query_weight": torch.eye(4), "query_bias": torch.zeros(4),
-    ...      "log_far_weight": torch.tensor(-1e4)}  # g = 0: window + sinks alone
-    >>> dense_hybrid(call, p, window=2, sink_keys=1).shape
-    torch.Size([1, 5, 2, 4])
-    """
-    query, key, value = call.query, call.key, call.value
-    dtype = parameters["query_weight"].dtype
-    batch, heads, length, dim = query.shape
-    key_heads = key.shape[1]
-    group = heads // key_heads
-    q = query.to(dtype).reshape(batch, key_heads, group, length, dim)
-    k, v = key.to(dtype)[:, :, None], value.to(dtype)[:, :, None]
-    device = q.device
-    t = torch.arange(length, device=device)[:, None]
-    j = torch.arange(key.shape[-2], device=device)[None, :]
-    seen = j <= t if call.causal else torch.ones_like(t == j)
-    near = (j < sink_keys) & seen
-    if window is not None:
-        near = near | (seen & ((t - j).abs() < window))
-    real = torch.ones_like(j, dtype=torch.bool) if call.key_mask is None else call.key_mask
-    real = real.reshape(-1, 1, 1, 1, j.shape[-1])
-    near = near & real
-    if call.exact_key_mask is not None:
-        near = near | (call.exact_key_mask.reshape(-1, 1, 1, 1, j.shape[-1]) & real & seen)
-    far = seen & real & ~near
-    scale = call.scaling if call.scaling is not None else dim**-0.5
-    logits = scale * (q @ k.transpose(-1, -2))
-    weight_q = _heads(parameters["query_weight"], 2, group)
-    bias_q = _heads(parameters["query_bias"], 1, group)
-    key_role = "query" if "key_weight" not in parameters else "key"  # tied: the query's
-    weight_k = _heads(parameters[f"{key_role}_weight"], 2, 1)
-    bias_k = _heads(parameters[f"{key_role}_bias"], 1, 1)
-    log_g = parameters["log_far_weight"]
-    log_g = log_g.reshape(-1, 1, 1, 1) if log_g.ndim else log_g
-    lq = _log_phi(q, weight_q, bias_q)
-    lk = _log_phi(k, weight_k, bias_k) + log_g
-    a, b = lq.amax(-1, keepdim=True).detach(), lk.amax(-1, keepdim=True).detach()
-    products = torch.exp(lq - a) @ torch.exp(lk - b).transpose(-1, -2)
-    tiny = torch.finfo(dtype).tiny
-    far_logits = torch.log(products.clamp_min(tiny)) + a + b.transpose(-1, -2)
-    minus_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
-    scores = torch.where(near, logits, torch.where(far, far_logits, minus_inf))
-    any_key = (near | far).any(-1, keepdim=True)  # a query with no key (padding): zeros
-    probs = torch.softmax(torch.where(any_key, scores, torch.zeros_like(scores)), dim=-1)
-    out = (probs * any_key) @ v
-    return out.reshape(batch, heads, length, -1).transpose(1, 2).to(query.dtype)
-
-
 class _Hook:
     """The integration's capture hook: each attention call exact, or the dense hybrid."""
 
@@ -201,9 +105,16 @@ class _Hook:
                 f"refine fits self-attention: got {call.query.shape[-2]} queries against "
                 f"{call.key.shape[-2]} keys (cross-attention or a cache)"
             )
-        values = dict(layer.values)
-        values["log_far_weight"] = layer.log_far_weight()
-        return dense_hybrid(call, values, window=self.window, sink_keys=self.sink_keys)
+        values = {name: t for name, t in layer.values.items() if name != "log_far_weight"}
+        dtype = values["query_weight"].dtype
+        out = fitted_attention(
+            call.query.to(dtype), call.key.to(dtype), call.value.to(dtype),
+            values.pop("query_weight"), **values, far_weight=layer.log_far_weight().exp(),
+            tied="key_weight" not in values, causal=call.causal, key_mask=call.key_mask,
+            exact_key_mask=call.exact_key_mask, window=self.window, sink_keys=self.sink_keys,
+            scale=call.scaling,
+        )  # fmt: skip
+        return out.transpose(1, 2).to(call.query.dtype)  # transformers' (B, L, H, d_v)
 
 
 def _hidden(model: Model, batch: Mapping[str, Any], hook: _Hook) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""A fitted map's call with its parameters as arrays: the checks, the one decision
+between the dense form and the library's path, and the dense form itself.
+
+:func:`linattn.torch.fitted_attention` and :func:`linattn.jax.fitted_attention` take a
+fitted map's parameters as the framework's arrays, differentiable.  Two ways compute it:
+
+- the library's path: :func:`linattn.linear_attention` forward (compiled kernels where
+  they serve) and :func:`linattn.linear_attention_vjp` with ``parameters=True`` backward,
+  on host copies (``O(L)`` memory, the fastest from about 300 tokens on);
+- :func:`dense_hybrid`: the same hybrid as ``L x L`` weights per head in the caller's
+  array library, differentiated by the framework itself (no host round trip: on the
+  caller's device, traceable by ``jax.jit`` and ``torch.compile``; faster up to a few
+  hundred tokens, where the library's parameter cotangents run the array-API adjoint:
+  ``benchmarks/refine_attention_speed.py``).
+
+:func:`use_dense` is the one place that chooses.  Both compute ``(N_near + g N_far) /
+(D_near + g D_far)`` with the fitted map of :mod:`linattn.fitted` (a test holds them
+equal, gradients included).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from linattn._gqa import grouped
+from linattn._plan import plan_attention
+from linattn._xp import Array, array_device, constant, is_array, namespace_of, stop_gradient
+from linattn.features import FeatureMap
+from linattn.fitted import log_softmax_pairs
+
+__all__ = ["DENSE_MAX_LENGTH", "check_call", "dense_hybrid", "use_dense"]
+
+#: The longest self-attention the dense form computes when the caller leaves the choice
+#: (``dense=None``).  One MiniLM-sized call (12 heads, d = 32, m = 64, batch 8), forward
+#: and backward in every input and parameter, one run: the library's path took 3.7x /
+#: 2.0x the dense form's time at 128 / 256 tokens, 0.80x / 0.76x / 0.41x at 320 / 384 /
+#: 512 (``benchmarks/refine_attention_speed.py``); the dense form also holds ``L x L``
+#: weights per head.
+DENSE_MAX_LENGTH = 256
+
+
+def use_dense(dense: object, backend: object, q: Any, k: Any) -> bool:
+    """Whether a fitted call runs :func:`dense_hybrid` (else the library's path).
+
+    ``dense=None`` chooses the dense form for self-attention of at most
+    :data:`DENSE_MAX_LENGTH` tokens when no ``backend`` is named; ``True`` / ``False``
+    force it (``True`` takes no ``backend``: the caller's framework computes it).
+    """
+    if dense is not None and not isinstance(dense, bool):
+        raise TypeError(f"dense must be None, True or False; got {dense!r}")
+    if dense and backend is not None:
+        raise ValueError(
+            f"dense=True computes in the caller's array library: backend must be None; got "
+            f"backend={backend!r}"
+        )
+    if dense is not None:
+        return dense
+    length = q.shape[-2]
+    return backend is None and length == k.shape[-2] and length <= DENSE_MAX_LENGTH
+
+
+def check_call(q: Any, k: Any, v: Any, feature_map: FeatureMap, options: dict[str, Any]) -> None:
+    """The argument errors of a fitted call, before anything runs: the front door's
+    (shapes, masks, options; :func:`linattn.plan_attention`) and the map's heads against
+    the inputs' (on one token: cheap; again on all of them for the message)."""
+    plan_attention(q, k, v, feature_map, **options)
+    roles: tuple[tuple[Any, Literal["query", "key"]], ...] = ((q, "query"), (k, "key"))
+    for x, role in roles:
+        try:
+            feature_map.log_features(x[..., :1, :], role=role)
+        except ValueError:
+            feature_map.log_features(x, role=role)  # the error, naming the inputs' shape
+            raise
+
+
+def dense_hybrid(
+    q: Array,
+    k: Array,
+    v: Array,
+    query_weight: Array,
+    query_bias: Array | None = None,
+    *,
+    key_weight: Array | None = None,
+    key_bias: Array | None = None,
+    far_weight: Array | float | None = None,
+    tied: bool = False,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    window: int | None = None,
+    sink_keys: int = 0,
+    exact_key_mask: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """The fitted hybrid of a self-attention call, dense and differentiable in everything
+    by the caller's framework (arguments checked by :func:`check_call` first).
+
+    ``out_i = softmax_j(s q_i.k_j on near keys; log(g phi(q_i).phi(k_j)) on far ones)
+    v_j``: near keys are the window, the sinks and the exact keys, far keys every other
+    real (and, causal, past) key; a head with ``g = 0`` keeps its near keys alone (and
+    ``g`` gets no gradient there); a query that sees no key outputs zeros.  Parameters
+    are cast to ``q``'s dtype (their gradients come back in their own).
+
+    Parameters
+    ----------
+    q, k, v, query_weight, query_bias, key_weight, key_bias, far_weight, tied, causal,
+    key_mask, window, sink_keys, exact_key_mask, scale
+        As for :func:`linattn.torch.fitted_attention`; ``L_q == L_k``.
+
+    Returns
+    -------
+    array, shape ``(..., H, L, d_v)``
+        In ``q``'s dtype and namespace.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> from linattn._fitted_call import dense_hybrid
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.normal(size=(1, 2, 6, 4)) for _ in range(3))
+    >>> w = rng.normal(size=(2, 4, 2))
+    >>> fm = la.FeatureMap.fitted(w, tied=True, far_weight=0.5)
+    >>> out = dense_hybrid(q, k, v, w, tied=True, far_weight=0.5, window=2, sink_keys=1)
+    >>> bool(np.allclose(out, la.linear_attention(q, k, v, fm, window=2, sink_keys=1)))
+    True
+    """
+    xp = namespace_of({"q": q, "k": k, "v": v})
+    dtype, length, device = q.dtype, q.shape[-2], array_device(q)
+    gq, gk, gv, g_mask, ungroup = grouped(q, k, v, key_mask)
+    exact = None if exact_key_mask is None else grouped(q, k, v, exact_key_mask)[3]
+    grouping = gq.ndim > q.ndim  # q (..., H_kv, G, L, d), k and v (..., H_kv, 1, L, .)
+
+    def cast(x: Any) -> Any:
+        if x is None:
+            return None
+        return xp.astype(x if is_array(x) else xp.asarray(x, device=device), dtype)
+
+    def log_phi(x: Array, weight: Array, bias: Array | None, group: int) -> Array:
+        if grouping and weight.ndim == 3:  # per head, (H', d, m/2): (H' / group, group, ...)
+            weight = xp.reshape(weight, (weight.shape[0] // group, group, *weight.shape[1:]))
+            if bias is not None and bias.ndim == 2:
+                bias = xp.reshape(bias, (bias.shape[0] // group, group, bias.shape[-1]))
+        u = xp.matmul(x, weight)
+        if bias is not None:
+            u = u + bias[..., None, :]
+        return log_softmax_pairs(xp, u)
+
+    wq, bq = cast(query_weight), cast(query_bias)
+    wk, bk = (wq, bq) if tied else (cast(key_weight), cast(key_bias))
+    lq = log_phi(gq, wq, bq, gq.shape[-3] if grouping else 1)
+    lk = log_phi(gk, wk, bk, 1)
+    g = cast(1.0 if far_weight is None else far_weight)
+    if g.ndim:  # one per key head: against (..., H_kv, [G,] L, L)
+        g = xp.reshape(g, (g.shape[0],) + (1,) * (3 if grouping else 2))
+    on = g > 0
+    log_g = xp.log(xp.where(on, g, xp.ones_like(g)))
+    a = stop_gradient(xp, xp.max(lq, axis=-1, keepdims=True))
+    b = stop_gradient(xp, xp.max(lk, axis=-1, keepdims=True))
+    products = xp.matmul(xp.exp(lq - a), xp.matrix_transpose(xp.exp(lk - b)))
+    tiny = constant(xp, float(xp.finfo(dtype).tiny), products)
+    far_logits = xp.log(xp.maximum(products, tiny)) + a + xp.matrix_transpose(b) + log_g
+    # Which keys each query sees, near (exact weights) and far (the map's).
+    t = xp.arange(length, device=device)[:, None]
+    j = xp.arange(length, device=device)[None, :]
+    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
+    near = (j < sink_keys) & seen
+    if window is not None:
+        near = near | (seen & (xp.abs(t - j) < window))
+    real = xp.ones((1, length), dtype=xp.bool, device=device)
+    if g_mask is not None:
+        real = g_mask[..., None, :]
+    near = near & real
+    if exact is not None:
+        near = near | (exact[..., None, :] & real & seen)
+    far = seen & real & ~near & on
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
+    minus_inf = constant(xp, -math.inf, logits)
+    scores = xp.where(near, logits, xp.where(far, far_logits, minus_inf))
+    any_key = xp.any(near | far, axis=-1, keepdims=True)  # none (padding): zeros
+    scores = xp.where(any_key, scores, xp.zeros_like(scores))
+    top = stop_gradient(xp, xp.max(scores, axis=-1, keepdims=True))
+    weights = xp.exp(scores - top)
+    probs = weights / xp.sum(weights, axis=-1, keepdims=True)
+    out = xp.matmul(xp.where(any_key, probs, xp.zeros_like(probs)), gv)
+    return ungroup(out)
