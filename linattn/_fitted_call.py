@@ -98,7 +98,8 @@ def dense_hybrid(
     ``out_i = softmax_j(s q_i.k_j on near keys; log(g phi(q_i).phi(k_j)) on far ones)
     v_j``: near keys are the window, the sinks and the exact keys, far keys every other
     real (and, causal, past) key; a head with ``g = 0`` keeps its near keys alone (and
-    ``g`` gets no gradient there); a query that sees no key outputs zeros.  Parameters
+    ``g`` gets no gradient there; without near keys ``g`` cancels, as in the library); a
+    query that sees no key outputs zeros.  Parameters
     are cast to ``q``'s dtype (their gradients come back in their own).
 
     Parameters
@@ -173,7 +174,9 @@ def dense_hybrid(
     near = near & real
     if exact is not None:
         near = near | (exact[..., None, :] & real & seen)
-    far = seen & real & ~near & on
+    far = seen & real & ~near
+    if window is not None or sink_keys or exact_key_mask is not None:
+        far = far & on  # without exact parts g cancels (g = 0 too): the map is all there is
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
     minus_inf = constant(xp, -math.inf, logits)

@@ -588,6 +588,32 @@ def test_dense_or_library_path_is_chosen_in_one_place() -> None:
         use_dense("yes", None, short, short)
 
 
+def test_the_dense_form_is_linear_attention() -> None:
+    """``dense_hybrid`` (NumPy, float64) equals ``linear_attention`` with the same map:
+    plain and hybrid, causal and not, padded keys, grouped-query heads, a shared tied
+    map, ``g = 0`` with exact parts (the exact parts alone) and without (``g`` cancels)."""
+    from linattn._fitted_call import dense_hybrid
+
+    rng = np.random.default_rng(14)
+    key_mask = np.array([True] * 5 + [False] * 2)
+    for fm, heads, kv_heads in (
+        (_map(rng, 4, 2, [0.0, 1.9]), 4, 2),
+        (_map(rng, None, None, 0.6, tied=True), 2, 2),
+        (_map(rng, 2, 1, [0.0]), 2, 1),
+    ):
+        q, k, v = _inputs(rng, heads, kv_heads, length=7)
+        for options in (
+            {"causal": True},
+            {"causal": False, "key_mask": key_mask},
+            {"causal": True, **HYBRID, "key_mask": key_mask},
+            {"causal": False, "window": 2, "exact_key_mask": EXACT_MASK[:7]},
+        ):
+            got = dense_hybrid(
+                q, k, v, **fm.parameters.arrays(), tied=fm.parameters.tied, **options
+            )
+            _close(got, la.linear_attention(q, k, v, fm, **options))
+
+
 def test_torch_fitted_attention_differentiates_the_parameters() -> None:
     """``linattn.torch.fitted_attention``: torch autograd in q, k, v and every parameter
     equals ``linear_attention_vjp(parameters=True)`` (held to finite differences above),
