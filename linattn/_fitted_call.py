@@ -25,7 +25,15 @@ from typing import Any, Literal
 
 from linattn._gqa import grouped
 from linattn._plan import plan_attention
-from linattn._xp import Array, array_device, constant, is_array, namespace_of, stop_gradient
+from linattn._xp import (
+    Array,
+    array_device,
+    constant,
+    is_array,
+    namespace_of,
+    softmax,
+    stop_gradient,
+)
 from linattn.features import FeatureMap
 from linattn.fitted import log_softmax_pairs
 
@@ -182,9 +190,6 @@ def dense_hybrid(
     minus_inf = constant(xp, -math.inf, logits)
     scores = xp.where(near, logits, xp.where(far, far_logits, minus_inf))
     any_key = xp.any(near | far, axis=-1, keepdims=True)  # none (padding): zeros
-    scores = xp.where(any_key, scores, xp.zeros_like(scores))
-    top = stop_gradient(xp, xp.max(scores, axis=-1, keepdims=True))
-    weights = xp.exp(scores - top)
-    probs = weights / xp.sum(weights, axis=-1, keepdims=True)
+    probs = softmax(xp, xp.where(any_key, scores, xp.zeros_like(scores)))
     out = xp.matmul(xp.where(any_key, probs, xp.zeros_like(probs)), gv)
     return ungroup(out)
