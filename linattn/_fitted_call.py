@@ -162,13 +162,16 @@ def dense_hybrid(
     g = cast(1.0 if far_weight is None else far_weight)
     if g.ndim:  # one per key head: against (..., H_kv, [G,] L, L)
         g = xp.reshape(g, (g.shape[0],) + (1,) * (3 if grouping else 2))
-    on = g > 0
-    log_g = xp.log(xp.where(on, g, xp.ones_like(g)))
+    exact_parts = window is not None or sink_keys > 0 or exact_key_mask is not None
+    # Without exact parts g cancels (g = 0 too): the map is all there is.
+    on = g > 0 if exact_parts else xp.ones_like(g, dtype=xp.bool)
+    off = constant(xp, -math.inf if exact_parts else 0.0, g)  # g = 0: no far keys
+    log_g = xp.where(on, xp.log(xp.where(g > 0, g, xp.ones_like(g))), off)
     a = stop_gradient(xp, xp.max(lq, axis=-1, keepdims=True))
     b = stop_gradient(xp, xp.max(lk, axis=-1, keepdims=True))
     products = xp.matmul(xp.exp(lq - a), xp.matrix_transpose(xp.exp(lk - b)))
     tiny = constant(xp, float(xp.finfo(dtype).tiny), products)
-    far_logits = xp.log(xp.maximum(products, tiny)) + a + xp.matrix_transpose(b) + log_g
+    far_logits = xp.log(xp.maximum(products, tiny)) + (a + log_g) + xp.matrix_transpose(b)
     # Which keys each query sees, near (exact weights) and far (the map's).
     t = xp.arange(length, device=device)[:, None]
     j = xp.arange(length, device=device)[None, :]
@@ -182,14 +185,13 @@ def dense_hybrid(
     near = near & real
     if exact is not None:
         near = near | (exact[..., None, :] & real & seen)
-    far = seen & real & ~near
-    if window is not None or sink_keys or exact_key_mask is not None:
-        far = far & on  # without exact parts g cancels (g = 0 too): the map is all there is
+    far = seen & real & ~near  # g = 0 heads: their far logits are -inf
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
     minus_inf = constant(xp, -math.inf, logits)
     scores = xp.where(near, logits, xp.where(far, far_logits, minus_inf))
-    any_key = xp.any(near | far, axis=-1, keepdims=True)  # none (padding): zeros
+    has_near = xp.any(near, axis=-1, keepdims=True)
+    any_key = has_near | (xp.any(far, axis=-1, keepdims=True) & on)  # none: zeros
     probs = softmax(xp, xp.where(any_key, scores, xp.zeros_like(scores)))
     out = xp.matmul(xp.where(any_key, probs, xp.zeros_like(probs)), gv)
     return ungroup(out)

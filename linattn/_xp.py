@@ -288,6 +288,21 @@ def softmax(xp: Namespace, x: Array) -> Array:
     return weights / xp.sum(weights, axis=-1, keepdims=True)
 
 
+def log_softmax(xp: Namespace, x: Array) -> Array:
+    """Log-softmax over the last axis: the library's fused one (torch, JAX), else the
+    array API's operations."""
+    if is_torch_namespace(xp):
+        import torch
+
+        return torch.log_softmax(x, dim=-1)
+    if is_jax_namespace(xp):
+        import jax
+
+        return jax.nn.log_softmax(x, axis=-1)
+    top = xp.max(x, axis=-1, keepdims=True)
+    return x - (top + xp.log(xp.sum(xp.exp(x - top), axis=-1, keepdims=True)))
+
+
 def is_traced(x: object) -> bool:
     """True for a JAX tracer (a value known only when the traced function runs)."""
     if not is_jax_array(x):

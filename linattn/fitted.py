@@ -31,7 +31,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from linattn._xp import Array, Namespace, array_device, from_host, is_array, to_host
+from linattn._xp import (
+    Array,
+    Namespace,
+    array_device,
+    from_host,
+    is_array,
+    log_softmax,
+    to_host,
+)
 
 __all__ = [
     "ZERO_FAR_LOG",
@@ -345,9 +353,7 @@ def kernel_parameters(p: FittedParameters, shape: tuple[int, ...]) -> dict[str, 
 
 def log_softmax_pairs(xp: Namespace, u: Array) -> Array:
     """``[u, -u] - logsumexp([u, -u])`` over the last axis."""
-    z = xp.concat([u, -u], axis=-1)
-    top = xp.max(z, axis=-1, keepdims=True)
-    return z - (top + xp.log(xp.sum(xp.exp(z - top), axis=-1, keepdims=True)))
+    return log_softmax(xp, xp.concat([u, -u], axis=-1))
 
 
 def log_softmax_pairs_vjp(xp: Namespace, log_phi: Array, d_log: Array) -> Array:
