@@ -41,8 +41,8 @@ __all__ = ["DENSE_MAX_LENGTH", "check_call", "dense_hybrid", "use_dense"]
 
 #: The longest self-attention the dense form computes when the caller leaves the choice
 #: (``dense=None``).  One MiniLM-sized call (12 heads, d = 32, m = 64, batch 8), forward
-#: and backward in every input and parameter, one run: the library's path took 3.7x /
-#: 2.0x the dense form's time at 128 / 256 tokens, 0.80x / 0.76x / 0.41x at 320 / 384 /
+#: and backward in every input and parameter, one run: the library's path took 4.2x /
+#: 3.4x the dense form's time at 128 / 256 tokens, 0.87x / 0.84x / 0.66x at 320 / 384 /
 #: 512 (``benchmarks/refine_attention_speed.py``); the dense form also holds ``L x L``
 #: weights per head.
 DENSE_MAX_LENGTH = 256
