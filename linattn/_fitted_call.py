@@ -27,6 +27,7 @@ from linattn._gqa import grouped
 from linattn._plan import plan_attention
 from linattn._xp import (
     Array,
+    Namespace,
     array_device,
     constant,
     is_array,
@@ -37,7 +38,7 @@ from linattn._xp import (
 from linattn.features import FeatureMap
 from linattn.fitted import log_softmax_pairs
 
-__all__ = ["DENSE_MAX_LENGTH", "check_call", "dense_hybrid", "use_dense"]
+__all__ = ["DENSE_MAX_LENGTH", "check_call", "dense_hybrid", "near_and_far", "use_dense"]
 
 #: The longest self-attention the dense form computes when the caller leaves the choice
 #: (``dense=None``).  One MiniLM-sized call (12 heads, d = 32, m = 64, batch 8), forward
@@ -80,6 +81,39 @@ def check_call(q: Any, k: Any, v: Any, feature_map: FeatureMap, options: dict[st
         except ValueError:
             feature_map.log_features(x, role=role)  # the error, naming the inputs' shape
             raise
+
+
+def near_and_far(
+    xp: Namespace,
+    length: int,
+    device: Any,
+    *,
+    causal: bool,
+    window: int | None,
+    sink_keys: int,
+    real: Array | None,
+    exact: Array | None,
+) -> tuple[Array, Array]:
+    """Which keys each of ``length`` queries weighs exactly and which through the map.
+
+    Near keys: the window (``|t - j| < window``), the first ``sink_keys`` keys and the
+    ``exact`` keys; far keys: every other key that is ``real`` (and, ``causal``, not
+    after the query).  ``real`` and ``exact`` are boolean masks broadcasting against
+    ``(..., L_q, L_k)`` (a query axis before the keys'), or None (every key real; no
+    exact keys).  Returns ``(near, far)``, disjoint boolean masks.
+    """
+    t = xp.arange(length, device=device)[:, None]
+    j = xp.arange(length, device=device)[None, :]
+    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
+    near = (j < sink_keys) & seen
+    if window is not None:
+        near = near | (seen & (xp.abs(t - j) < window))
+    if real is None:
+        real = xp.ones((1, length), dtype=xp.bool, device=device)
+    near = near & real
+    if exact is not None:
+        near = near | (exact & real & seen)
+    return near, seen & real & ~near
 
 
 def dense_hybrid(
@@ -172,20 +206,11 @@ def dense_hybrid(
     products = xp.matmul(xp.exp(lq - a), xp.matrix_transpose(xp.exp(lk - b)))
     tiny = constant(xp, float(xp.finfo(dtype).tiny), products)
     far_logits = xp.log(xp.maximum(products, tiny)) + (a + log_g) + xp.matrix_transpose(b)
-    # Which keys each query sees, near (exact weights) and far (the map's).
-    t = xp.arange(length, device=device)[:, None]
-    j = xp.arange(length, device=device)[None, :]
-    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
-    near = (j < sink_keys) & seen
-    if window is not None:
-        near = near | (seen & (xp.abs(t - j) < window))
-    real = xp.ones((1, length), dtype=xp.bool, device=device)
-    if g_mask is not None:
-        real = g_mask[..., None, :]
-    near = near & real
-    if exact is not None:
-        near = near | (exact[..., None, :] & real & seen)
-    far = seen & real & ~near  # g = 0 heads: their far logits are -inf
+    near, far = near_and_far(  # g = 0 heads keep their far keys, at far logits -inf
+        xp, length, device, causal=causal, window=window, sink_keys=sink_keys,
+        real=None if g_mask is None else g_mask[..., None, :],
+        exact=None if exact is None else exact[..., None, :],
+    )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
     minus_inf = constant(xp, -math.inf, logits)

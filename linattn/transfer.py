@@ -39,6 +39,7 @@ import numpy as np
 
 from linattn import fitted
 from linattn._checks import check_scale
+from linattn._fitted_call import near_and_far
 from linattn._gqa import grouped
 from linattn._xp import Array, Namespace, array_device, constant, namespace_of, to_host
 from linattn.features import FeatureMap
@@ -166,20 +167,13 @@ def _prepare(
     gq, gk, gv, _, _ = grouped(q, k, v)
     if gq.ndim == 4:  # no grouping: add the unit group axis
         gq, gk, gv = gq[:, :, None], gk[:, :, None], gv[:, :, None]
-    device = array_device(q)
-    t = xp.arange(length, device=device)[:, None]
-    j = xp.arange(length, device=device)[None, :]
-    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
-    near = (j < sink_keys) & seen
-    if window is not None:
-        near = near | (seen & (xp.abs(t - j) < window))
-    real = key_mask[:, None, None, None, :]
-    near = near[None, None, None] & real
-    if exact is not None:
-        near = near | (exact[:, None, None, None, :] & real & seen)
-    far = seen & real & ~near
+    near, far = near_and_far(
+        xp, length, array_device(q), causal=causal, window=window, sink_keys=sink_keys,
+        real=key_mask[:, None, None, None, :],
+        exact=None if exact is None else exact[:, None, None, None, :],
+    )  # fmt: skip
     log_exact = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
-    allowed = seen & real
+    allowed = near | far
     top = xp.max(
         xp.where(allowed, log_exact, constant(xp, -math.inf, log_exact)), axis=-1, keepdims=True
     )
