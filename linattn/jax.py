@@ -66,11 +66,12 @@ def fitted_attention(
     longer inputs the library's path on the host, below.  ``dense=`` forces either.
 
     The map is :meth:`linattn.FeatureMap.fitted` of the parameters' values, checked
-    there and by the front door before any callback (shapes, heads, options; under
-    ``jax.jit`` a traced parameter's values, ``far_weight >= 0``, only when the call
-    runs, inside JAX's callback error).  ``far_weight`` must stay non-negative: parametrise it
-    (``far_weight=jnp.exp(log_g)``); a head with ``g = 0`` has chosen the exact parts
-    and gets no gradient.  The masks get no gradient.
+    there and by the front door before anything runs (shapes, heads, options).  Under
+    ``jax.jit`` a traced parameter's values are unknown until the call runs:
+    ``far_weight >= 0`` is then checked inside the library path's callback (JAX's
+    callback error), while the dense form takes ``g <= 0`` as 0.  ``far_weight`` must
+    stay non-negative: parametrise it (``far_weight=jnp.exp(log_g)``); a head with ``g =
+    0`` has chosen the exact parts and gets no gradient.  The masks get no gradient.
 
     Parameters
     ----------
