@@ -10,8 +10,9 @@ A fitted map's parameters (``feature_map=``, :mod:`linattn.fitted`) are buffers 
 fitted by :mod:`linattn.transfer` with the model frozen, not trained by the layer, unless
 ``train_map=True`` makes them ``nn.Parameter``s.
 :func:`fitted_attention` is the call to train them with torch's autograd: the map's
-parameters are tensors, and their gradients come from
-:func:`linattn.linear_attention_vjp` (``parameters=True``).
+parameters are tensors, differentiated through the dense form of the hybrid at training
+lengths (:mod:`linattn._fitted_call`) or :func:`linattn.linear_attention_vjp`
+(``parameters=True``) beyond.
 Importing :mod:`linattn` never imports this module (or torch).
 """
 
