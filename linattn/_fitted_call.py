@@ -140,9 +140,9 @@ def dense_hybrid(
     ``out_i = softmax_j(s q_i.k_j on near keys; log(g phi(q_i).phi(k_j)) on far ones)
     v_j``: near keys are the window, the sinks and the exact keys, far keys every other
     real (and, causal, past) key; a head with ``g = 0`` keeps its near keys alone (and
-    ``g`` gets no gradient there; without near keys ``g`` cancels, as in the library); a
-    query that sees no key outputs zeros.  Parameters
-    are cast to ``q``'s dtype (their gradients come back in their own).
+    ``g`` gets no gradient there; without a window, sinks or exact keys ``g`` cancels,
+    as in the library); a query that sees no key outputs zeros.  Parameters are cast to
+    ``q``'s dtype (their gradients come back in their own).
 
     Parameters
     ----------
