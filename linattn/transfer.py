@@ -101,6 +101,9 @@ class LayerFit:
         of the kept parameters.
     exact_parts_error : numpy.ndarray, shape ``(H,)``
         The same for the exact parts alone (window + sinks, ``g = 0``).
+    exact_squared_norm : numpy.ndarray, shape ``(H,)``
+        ``||exact||**2`` per head on the validation split, the weights that combine the
+        heads' errors into the layer's (:meth:`error_shares`).
     exact_only : numpy.ndarray of bool, shape ``(H_kv,)``
         Key heads set to ``g = 0`` (their fit did not beat the exact parts).
     steps : int
@@ -114,10 +117,31 @@ class LayerFit:
     feature_map: FeatureMap
     validation_error: np.ndarray
     exact_parts_error: np.ndarray
+    exact_squared_norm: np.ndarray
     exact_only: np.ndarray
     steps: int
     seconds: float
     history: list[tuple[int, float]] = field(default_factory=list)
+
+    def error_shares(self) -> np.ndarray:
+        """Each head's share of the layer's fitted squared error on the validation
+        split, ``(H,)``, summing to 1 (0 everywhere for a layer without error).
+
+        A head with a large share is one the map cannot follow, typically one that looks
+        a single key up (``docs/estimators.md``, "Where the error stays").
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn import FeatureMap
+        >>> fit = LayerFit(FeatureMap.fitted(np.eye(2), tied=True), np.array([0.1, 0.3]),
+        ...     np.ones(2), np.array([4.0, 1.0]), np.zeros(2, bool), 0, 0.0)
+        >>> fit.error_shares().round(3)
+        array([0.308, 0.692])
+        """
+        squared = self.validation_error**2 * self.exact_squared_norm
+        total = squared.sum()
+        return squared / total if total > 0 else np.zeros_like(squared)
 
 
 # -- the dense hybrid of one batch, and its gradient ------------------------------------
@@ -560,6 +584,7 @@ def _fit_layer(
         feature_map=fm,
         validation_error=np.sqrt(final / norms).reshape(-1),
         exact_parts_error=np.sqrt(base / norms).reshape(-1),
+        exact_squared_norm=norms.reshape(-1),
         exact_only=exact_only,
         steps=step,
         seconds=time.perf_counter() - start,

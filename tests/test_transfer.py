@@ -113,6 +113,14 @@ def test_fit_beats_window_and_sinks_on_held_out_batches_and_is_deterministic() -
     assert kept.any()
     assert np.all(err[kept] < base[kept])
     assert np.all(first.validation_error <= first.exact_parts_error)
+    # The per-head norms weight the heads' errors into the layer's, as attention_errors
+    # measures it on the validation batches; the shares rank the heads by that error.
+    v_err, v_norm = transfer.attention_errors(first.feature_map, validation, window=2, sink_keys=1)
+    np.testing.assert_allclose(first.exact_squared_norm, v_norm.reshape(-1), rtol=1e-12)
+    np.testing.assert_allclose(first.validation_error, np.sqrt(v_err / v_norm).reshape(-1))
+    shares = first.error_shares()
+    np.testing.assert_allclose(shares.sum(), 1.0)
+    np.testing.assert_allclose(shares, (v_err / v_err.sum()).reshape(-1), rtol=1e-9)
 
 
 def test_heads_whose_fit_cannot_help_keep_the_exact_parts_alone() -> None:

@@ -88,6 +88,7 @@ def convert(args: argparse.Namespace) -> int:
                 "validation_error": f.validation_error.tolist(),
                 "window_sinks_error": f.exact_parts_error.tolist(),
                 "exact_only_heads": int(f.exact_only.sum()),
+                "error_shares": f.error_shares().tolist(),
                 "steps": f.steps,
                 "seconds": f.seconds,
             }
@@ -98,17 +99,29 @@ def convert(args: argparse.Namespace) -> int:
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     table = Table("Relative attention error on the validation texts (root mean square over heads)")
-    for header in ("layer", "fitted", "window + sinks", "heads with g = 0", "steps", "s"):
+    headers = (
+        "layer",
+        "fitted",
+        "window + sinks",
+        "heads with g = 0",
+        "worst head (share)",
+        "steps",
+        "s",
+    )
+    for header in headers:
         table.add_column(header, right=header != "layer")
     for layer, fit in enumerate(done.fits):
         if fit is None:
-            table.add_row(str(layer), "resumed", "", "", "", "")
+            table.add_row(str(layer), "resumed", *[""] * (len(headers) - 2))
             continue
+        shares = fit.error_shares()
+        worst = int(np.argmax(shares))
         table.add_row(
             str(layer),
             f"{np.sqrt(np.mean(fit.validation_error**2)):.3f}",
             f"{np.sqrt(np.mean(fit.exact_parts_error**2)):.3f}",
             str(int(fit.exact_only.sum())),
+            f"{worst} ({shares[worst]:.0%})",
             str(fit.steps),
             f"{fit.seconds:.0f}",
         )

@@ -402,6 +402,7 @@ def convert(
         "stitch": stitch, "steps": steps, "learning_rate": learning_rate, "seed": seed,
         "validation_error": [f.validation_error.tolist() for f in fits],
         "exact_parts_error": [f.exact_parts_error.tolist() for f in fits],
+        "error_shares": [f.error_shares().tolist() for f in fits],
     }  # fmt: skip
     return model
 
