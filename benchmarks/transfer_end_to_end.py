@@ -18,6 +18,9 @@ kernels executor), before and after.
 ``--layers`` adds each layer's attention error on the TEST split, on the converted model's
 own activations (``layer_errors(..., activations="converted")``), before and after.
 
+``--exact-heads N`` gives the ``N`` heads per layer with the most fitted error on the
+VALIDATION split exact attention (``convert(exact_heads=N)``'s choice), after the first row.
+
 The first row is window + sinks alone (every far weight 0) on the same path and texts, the
 baseline of the ``1 - cos`` ratios printed last.
 """
@@ -38,6 +41,7 @@ import documents
 from transformers import AutoModel
 
 from linattn.integrations.transformers import layer_errors, refine
+from linattn.integrations.transformers_convert import EXACT_HEADS
 from linattn.models import load_model, resolve_model_path
 from linattn.models.convert import (
     attention_from_file,
@@ -68,6 +72,11 @@ def main() -> None:
     ap.add_argument("--loss", choices=("hidden", "pooled"), default="hidden")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--fit-rows", type=int, default=None)
+    ap.add_argument(
+        "--exact-heads", type=int, default=0,
+        help="heads per layer attending exactly (those with the most fitted error on the "
+        "VALIDATION split, as convert(exact_heads=) chooses them)",
+    )  # fmt: skip
     ap.add_argument("--maps", default="/tmp/linattn-e2e-maps.safetensors")
     ap.add_argument("--json", default=None)
     ap.add_argument(
@@ -144,7 +153,18 @@ def main() -> None:
     print(json.dumps(results[-1]), flush=True)
     for layer, fm in zip(model.encoder.layer, maps, strict=True):
         layer.attention.self.__dict__["_linattn_fitted"] = fm
+    if args.exact_heads:  # ranked as LayerFit.error_shares: validation, exact activations
+        val_inputs = [inputs(*b) for b in parts["validation"]]
+        for layer, entry in zip(
+            model.encoder.layer, layer_errors(model, val_inputs, activations="exact"), strict=True
+        ):
+            squared = entry["fitted"] ** 2 * entry["exact_squared_norm"]
+            worst = np.argsort(-squared, kind="stable")[: args.exact_heads]
+            layer.attention.self.__dict__[EXACT_HEADS] = tuple(sorted(int(h) for h in worst))
     results.append(row("per-layer fit"))
+    results[-1]["exact_heads"] = [
+        list(layer.attention.self.__dict__.get(EXACT_HEADS, ())) for layer in model.encoder.layer
+    ]
     if args.layers:
         results[-1]["layers"] = layers()
     print(json.dumps(results[-1]), flush=True)

@@ -472,3 +472,114 @@ def test_refine_on_the_pooled_embeddings() -> None:
     refine(model, fit, fit, steps=20, learning_rate=1e-2, evaluate_every=5, loss="pooled")
     assert pooled_error() < 0.5 * before, (before, pooled_error())
     assert model._linattn_conversion["refine"]["loss"] == "pooled"
+
+
+# -- exact heads ----------------------------------------------------------------------------
+
+
+def _softmax_heads(q, k, v, mask, causal, scale):  # type: ignore[no-untyped-def]
+    """Softmax attention by its definition, one head at a time (the reference)."""
+    logits = scale * q @ k.transpose(-1, -2)
+    allowed = mask[:, None, None, :].expand_as(logits).clone()
+    if causal:
+        allowed &= torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
+    weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-1)
+    return torch.nan_to_num(weights) @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_with_exact_heads_replaces_those_heads_by_softmax_attention(causal: bool) -> None:
+    """Only the exact heads change, to softmax attention over real keys (grouped-query:
+    query head h reads key head h // 2); a row without keys gets zeros."""
+    from linattn.integrations.transformers_convert import EXACT_HEADS, with_exact_heads
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 3, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 5, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, :2] = False  # left padding: row 1's first queries see no key when causal
+    out = torch.randn(2, 4, 5, 3, generator=gen, dtype=torch.float64)
+    module = torch.nn.Module()
+    assert with_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5) is out
+    module.__dict__[EXACT_HEADS] = (1, 2)
+    got = with_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5)
+    torch.testing.assert_close(got[:, [0, 3]], out[:, [0, 3]], rtol=0, atol=0)
+    expected = _softmax_heads(q[:, [1, 2]], k[:, [0, 1]], v[:, [0, 1]], mask, causal, 0.5)
+    torch.testing.assert_close(got[:, [1, 2]], expected)
+    if causal:
+        assert torch.all(got[1, [1, 2], :2] == 0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_model_whose_heads_are_all_exact_is_the_exact_model(name: str) -> None:
+    """exact_heads = every head: the converted model computes the exact model (BERT with
+    padding, GPT-2 and grouped-query Llama, causal)."""
+    model = MODELS[name]()
+    batch = _batch(4)
+    expected = _output(model, batch)
+    heads = model.config.num_attention_heads
+    convert(
+        model, [_batch(1)], [_batch(3)], window=WINDOW, sink_keys=SINKS, num_features=8,
+        steps=2, exact_heads=heads, **OPTIONS[name],
+    )  # fmt: skip
+    assert model._linattn_conversion["exact_heads"] == [list(range(heads))] * 2
+    torch.testing.assert_close(_output(model, batch), expected, rtol=1e-5, atol=1e-6)
+    assert all(np.all(e["fitted"] == 0) for e in layer_errors(model, [batch]))
+
+
+def test_exact_heads_are_the_worst_fitted_and_survive_saving(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One exact head per layer: the head with the largest share of the validation
+    error; layer_errors gives it 0; refine's form of the model computes the model's own
+    output; the file and a saved model keep the heads; decoding is refused by name."""
+    from linattn.integrations import transformers_refine as tr
+    from linattn.integrations.transformers_convert import EXACT_HEADS
+
+    model = _llama()
+    convert(
+        model, [_batch(1)], [_batch(3)], window=WINDOW, sink_keys=SINKS, num_features=8,
+        steps=3, exact_heads=1, stitch="converted",
+    )  # fmt: skip
+    record = model._linattn_conversion
+    worst = [[int(np.argmax(shares))] for shares in record["error_shares"]]
+    assert record["exact_heads"] == worst
+    modules = [m for m in model.modules() if "_linattn_fitted" in m.__dict__]
+    assert [list(m.__dict__[EXACT_HEADS]) for m in modules] == worst
+    batch = _batch(4)
+    errors = layer_errors(model, [batch], activations="converted")
+    for entry, heads in zip(errors, worst, strict=True):
+        assert entry["fitted"].reshape(-1)[heads[0]] == 0
+        assert np.all(np.delete(entry["fitted"].reshape(-1), heads) > 0)
+    layers = {id(m): tr._layer(m, torch.float64, torch.device("cpu")) for m in modules}
+    hook = tr._Hook(layers, model.config.linattn)
+    with torch.no_grad():
+        refined_form = tr._hidden(model, batch, hook)
+        own = model(**batch, output_hidden_states=True).hidden_states[-1]
+    rows = batch["attention_mask"].bool()
+    torch.testing.assert_close(refined_form[rows].float(), own[rows], rtol=1e-4, atol=1e-5)
+
+    path = save_fitted(model, tmp_path / "maps.safetensors")
+    fresh = load_fitted(_llama(), path)
+    fresh_modules = [m for m in fresh.modules() if "_linattn_fitted" in m.__dict__]
+    assert [list(m.__dict__[EXACT_HEADS]) for m in fresh_modules] == worst
+    assert torch.equal(_output(fresh, batch), _output(model, batch))
+    model.save_pretrained(tmp_path / "model")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", attn_implementation="linattn"
+    ).eval()
+    torch.testing.assert_close(_output(loaded, batch), _output(model, batch), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"has exact heads \(\d,\).*cannot decode"):
+        model.generate(
+            batch["input_ids"][:1, :6], max_new_tokens=2, do_sample=False,
+            past_key_values=LinearAttentionCache(), pad_token_id=0,
+        )  # fmt: skip
+
+
+def test_bad_exact_heads_are_refused_by_name() -> None:
+    model = _gpt2()
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=rf"exact_heads must be an integer >= 0; got {bad}"):
+            convert(model, [_batch(1)], [_batch(2)], window=WINDOW, exact_heads=bad, steps=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"at most the number of query heads \(2 in attention"):
+        convert(model, [_batch(1)], [_batch(2)], window=WINDOW, exact_heads=3, steps=1)
+    assert model.config._attn_implementation != "linattn"
+    assert not any("_linattn_exact_heads" in m.__dict__ for m in model.modules())

@@ -34,6 +34,7 @@ from linattn.attention import linear_attention
 from linattn.features import KINDS, SOFTMAX_KINDS, FeatureMap
 from linattn.hybrid.build import check_exact_parts
 from linattn.integrations.transformers_convert import (
+    EXACT_HEADS,
     FITTED,
     AttentionCall,
     capture_hook,
@@ -42,6 +43,7 @@ from linattn.integrations.transformers_convert import (
     load_fitted,
     map_from_file,
     save_fitted,
+    with_exact_heads,
 )
 from linattn.integrations.transformers_refine import refine
 from linattn.state import LinearAttentionState
@@ -261,6 +263,12 @@ def attention_forward(
         if captured is not None:
             return captured, None
     feature_map = _feature_map(module, settings, query.shape[-1], scaling, causal)
+    if layer is not None and module.__dict__.get(EXACT_HEADS):
+        raise ValueError(
+            f"{type(module).__name__} has exact heads {module.__dict__[EXACT_HEADS]} "
+            "(convert(..., exact_heads=)): LinearAttentionCache keeps no keys for them, so "
+            "this model cannot decode with it; convert with exact_heads=0 to generate"
+        )
     q, k, v, grouped_mask, ungroup = grouped(query, key, value, key_mask)
     if feature_map is not None and q.ndim > query.ndim:  # per-head parameters: grouped too
         feature_map = feature_map.grouped(int(q.shape[-3]))
@@ -282,7 +290,8 @@ def attention_forward(
             out = linear_attention(
                 q, k, v, feature_map, causal=causal, key_mask=grouped_mask, **options
             )
-    return ungroup(out).transpose(1, 2).contiguous(), None
+        out = with_exact_heads(module, ungroup(out), query, key, value, key_mask, causal, scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def special_keys(key_mask: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.nn import functional
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -54,6 +55,9 @@ __all__ = [
 _NAME = "linattn"
 #: Where a module keeps its fitted map.
 FITTED = "_linattn_fitted"
+#: Where an attention module keeps its exact heads (query heads attending to every key
+#: exactly, beside the fitted hybrid of the others; chosen by ``convert(exact_heads=)``).
+EXACT_HEADS = "_linattn_exact_heads"
 #: The options of ``config.linattn`` a conversion sets.
 _OPTIONS = ("num_features", "window", "sink_keys", "exact_keys")
 #: Configuration entries that say nothing about the model's computation (names, versions,
@@ -166,6 +170,40 @@ class _Capture:
         raise _Captured
 
 
+def with_exact_heads(
+    module: torch.nn.Module,
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    scaling: float | None,
+) -> torch.Tensor:
+    """``out`` ``(B, H, L_q, d_v)`` with ``module``'s exact heads (:data:`EXACT_HEADS`)
+    replaced by softmax attention over every real key (causal: every key up to the
+    query), computed for those heads only (query head ``h`` reads key head
+    ``h // (H / H_kv)``); rows without a key get zeros, as the hybrid gives them."""
+    heads = module.__dict__.get(EXACT_HEADS)
+    if not heads:
+        return out
+    index = torch.tensor(heads, device=out.device)
+    kv_index = index // (query.shape[-3] // key.shape[-3])
+    q = query.index_select(-3, index)
+    k, v = key.index_select(-3, kv_index), value.index_select(-3, kv_index)
+    length_q, length_k = q.shape[-2], k.shape[-2]
+    allowed = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril(length_k - length_q)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, :, None, :]  # (B, 1, L_q, L_k)
+    has_key = allowed.any(-1, keepdim=True)
+    allowed = allowed | ~has_key  # (a row without keys: any weights, zeroed below)
+    exact = functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+    exact = torch.where(has_key, exact, torch.zeros((), dtype=exact.dtype, device=exact.device))
+    return out.index_copy(-3, index, exact.to(out.dtype))
+
+
 def exact_attention(call: AttentionCall) -> torch.Tensor:
     """SDPA on the call (its mask is SDPA's: the integration borrows SDPA's mask function)."""
     out, _ = sdpa_attention_forward(
@@ -258,23 +296,29 @@ class SavedState:
     linattn: Any
     training: bool
     maps: list[tuple[torch.nn.Module, FeatureMap]]
+    exact_heads: list[tuple[torch.nn.Module, tuple[int, ...]]]
 
 
 def save_state(model: Model) -> SavedState:
     maps = [(m, m.__dict__[FITTED]) for m in model.modules() if FITTED in m.__dict__]
+    exact = [(m, m.__dict__[EXACT_HEADS]) for m in model.modules() if EXACT_HEADS in m.__dict__]
     return SavedState(
         model.config._attn_implementation,
         getattr(model.config, "linattn", None),
         model.training,
         maps,
+        exact,
     )
 
 
 def restore_state(model: Model, saved: SavedState) -> None:
     for module in model.modules():
         module.__dict__.pop(FITTED, None)
+        module.__dict__.pop(EXACT_HEADS, None)
     for module, fm in saved.maps:
         module.__dict__[FITTED] = fm
+    for module, heads in saved.exact_heads:
+        module.__dict__[EXACT_HEADS] = heads
     model.config.linattn = saved.linattn
     if saved.implementation is not None:
         model.set_attn_implementation(saved.implementation)
@@ -310,6 +354,7 @@ def convert(
     sink_keys: int = 1,
     num_features: int = 64,
     exact_keys: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
+    exact_heads: int = 0,
     stitch: str = "exact",
     steps: int = 300,
     learning_rate: float = 1e-2,
@@ -337,6 +382,15 @@ def convert(
     exact_keys : None, "special" or callable
         Keys attended exactly, encoders only (as ``register``'s option): ``"special"``
         makes each row's first and last real token (``[CLS]``, ``[SEP]``) exact.
+    exact_heads : int, default 0
+        Query heads per layer that attend to every key exactly (softmax attention, beside
+        the fitted hybrid of the other heads): the ones with the largest share of the
+        layer's fitted error on ``validation``
+        (:meth:`linattn.transfer.LayerFit.error_shares`), typically heads that look one
+        key up, which no small feature map follows (``docs/estimators.md``, "Exact
+        heads").  Each costs exact attention's ``O(L^2)`` time and memory; a model with
+        exact heads cannot decode with :class:`LinearAttentionCache` (its state keeps no
+        keys for them).
     stitch : {"exact", "converted"}
         Fit layer ``l`` on the exact model's activations, or on those of the model whose
         layers before ``l`` are already converted.
@@ -355,11 +409,15 @@ def convert(
     ------
     ValueError
         A batch without ``input_ids``/``attention_mask`` or without real tokens, an
-        unknown ``stitch``, ``exact_keys`` in a causal model, options the integration
-        refuses (named as ``config.linattn``'s).  The model is left as it was.
+        unknown ``stitch``, ``exact_keys`` in a causal model, ``exact_heads`` below 0 or
+        above a layer's heads, options the integration refuses (named as
+        ``config.linattn``'s).  The model is left as it was.
     """
     if stitch not in ("exact", "converted"):
         raise ValueError(f"stitch must be 'exact' or 'converted'; got {stitch!r}")
+    given: object = exact_heads  # (what was given: the annotation says what to give)
+    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+        raise ValueError(f"exact_heads must be an integer >= 0; got {given!r}")
     fit_inputs = check_batches(batches, "batches")
     val_inputs = check_batches(validation, "validation")
     options = {
@@ -371,6 +429,8 @@ def convert(
     try:
         for module, _ in saved.maps:  # a new conversion starts from the exact model
             del module.__dict__[FITTED]
+        for module, _ in saved.exact_heads:
+            del module.__dict__[EXACT_HEADS]
         model.config.linattn = dict(options)
         model.eval()
         use_linattn(model)
@@ -392,6 +452,8 @@ def convert(
                     progress=_prefixed(progress, f"layer {layer}: "),
                 )  # fmt: skip
                 module.__dict__[FITTED] = result.feature_map
+                if exact_heads:
+                    module.__dict__[EXACT_HEADS] = _worst_heads(result, exact_heads, layer)
                 fits.append(result)
                 del fit_data, val_data
     except BaseException:
@@ -403,8 +465,20 @@ def convert(
         "validation_error": [f.validation_error.tolist() for f in fits],
         "exact_parts_error": [f.exact_parts_error.tolist() for f in fits],
         "error_shares": [f.error_shares().tolist() for f in fits],
+        "exact_heads": [list(m.__dict__.get(EXACT_HEADS, ())) for m in capture.order],
     }  # fmt: skip
     return model
+
+
+def _worst_heads(fit: LayerFit, count: int, layer: int) -> tuple[int, ...]:
+    """The ``count`` heads with the largest shares of the layer's fitted error."""
+    shares = fit.error_shares()
+    if count > shares.size:
+        raise ValueError(
+            f"exact_heads must be at most the number of query heads ({shares.size} in "
+            f"attention layer {layer}); got {count}"
+        )
+    return tuple(sorted(int(h) for h in np.argsort(-shares, kind="stable")[:count]))
 
 
 def layer_errors(
@@ -429,7 +503,8 @@ def layer_errors(
     Returns
     -------
     list of dict
-        Per attention layer: ``"fitted"`` (the converted hybrid) and ``"exact_parts"``
+        Per attention layer: ``"fitted"`` (the converted hybrid; 0 for exact heads) and
+        ``"exact_parts"``
         (window, sinks and exact keys alone: ``g = 0``), relative errors
         ``||out - exact|| / ||exact||`` per query head, ``(H,)``, and
         ``"exact_squared_norm"``, ``||exact||**2`` per head (the weights that combine
@@ -460,9 +535,11 @@ def layer_errors(
                 }  # fmt: skip
                 err, norm = attention_errors(fm, data, **parts)
                 base, _ = attention_errors(None, data, **parts)
+                fitted = np.sqrt(err / norm)
+                fitted.reshape(-1)[list(module.__dict__.get(EXACT_HEADS, ()))] = 0.0  # exact
                 results.append(
                     {
-                        "fitted": np.sqrt(err / norm),
+                        "fitted": fitted,
                         "exact_parts": np.sqrt(base / norm),
                         "exact_squared_norm": norm,
                     }
@@ -525,7 +602,14 @@ def save_fitted(model: Model, path: str | Path) -> Path:
     rule = settings.get("exact_keys")
     options: dict[str, Any] = {name: settings.get(name) for name in _OPTIONS}
     options["exact_keys"] = "callable" if callable(rule) else rule
-    options["modules"] = [{"name": n, "fingerprint": module_fingerprint(m)} for n, m in entries]
+    options["modules"] = [
+        {
+            "name": n,
+            "fingerprint": module_fingerprint(m),
+            "exact_heads": list(m.__dict__.get(EXACT_HEADS, ())),
+        }
+        for n, m in entries
+    ]
     options["conversion"] = model.__dict__.get("_linattn_conversion")
     written = save_maps(
         path,
@@ -580,22 +664,32 @@ def load_fitted(
     layers, options = load_maps(path, model_fingerprint=model_fingerprint(model))
     settings = _settings_of(options, exact_keys, path)
     modules = [model.get_submodule(entry["name"]) for entry in options["modules"]]
-    for module, (fm, _) in zip(modules, layers, strict=True):
+    for module, entry, (fm, _) in zip(modules, options["modules"], layers, strict=True):
         if fm is not None:
             module.__dict__[FITTED] = fm
+        _set_exact_heads(module, entry)
     model.config.linattn = {**settings, "fitted": str(path)}
     use_linattn(model)
     return model
 
 
-_files: dict[str, tuple[float, dict[str, FeatureMap], dict[str, Any]]] = {}
+def _set_exact_heads(module: torch.nn.Module, entry: Mapping[str, Any]) -> None:
+    heads = tuple(int(h) for h in entry.get("exact_heads", ()))
+    if heads:
+        module.__dict__[EXACT_HEADS] = heads
+    else:
+        module.__dict__.pop(EXACT_HEADS, None)
+
+
+_files: dict[str, tuple[float, dict[str, Any], dict[str, Any]]] = {}
 _files_lock = threading.Lock()
 
 
 def map_from_file(
     module: torch.nn.Module, path: str | Path, settings: Mapping[str, Any]
 ) -> FeatureMap:
-    """``module``'s map from the file ``config.linattn["fitted"]`` names; kept on it.
+    """``module``'s map from the file ``config.linattn["fitted"]`` names; kept on it
+    (with its exact heads).
 
     The integration's first call of a module without a map comes here.  The module is
     found in the file by its own weights' fingerprint (a module knows nothing of its
@@ -608,15 +702,15 @@ def map_from_file(
         if cached is None or cached[0] != modified:
             layers, options = load_maps(path, model_fingerprint=None)
             table = {
-                entry["fingerprint"]: fm
+                entry["fingerprint"]: (fm, entry)
                 for entry, (fm, _) in zip(options.get("modules", []), layers, strict=False)
                 if fm is not None
             }
             cached = _files[key] = (modified, table, options)
     _, table, options = cached
     fingerprint = module_fingerprint(module)
-    fm = table.get(fingerprint)
-    if fm is None:
+    found = table.get(fingerprint)
+    if found is None:
         raise ValueError(
             f"config.linattn['fitted'] = {str(path)!r} holds no map for this model's "
             f"{type(module).__name__} (weights fingerprint {fingerprint}): the file was fitted "
@@ -637,5 +731,7 @@ def map_from_file(
             f"{path} was fitted with exact_keys={fitted_rule!r}; config.linattn has "
             f"exact_keys={rule!r}"
         )
+    fm, entry = found
+    _set_exact_heads(module, entry)
     module.__dict__[FITTED] = fm
     return fm

@@ -42,6 +42,7 @@ from linattn.integrations.transformers_convert import (
     restore_state,
     save_state,
     use_linattn,
+    with_exact_heads,
 )
 from linattn.torch import fitted_attention
 
@@ -113,6 +114,10 @@ class _Hook:
             tied="key_weight" not in values, causal=call.causal, key_mask=call.key_mask,
             exact_key_mask=call.exact_key_mask, window=self.window, sink_keys=self.sink_keys,
             scale=call.scaling,
+        )  # fmt: skip
+        out = with_exact_heads(
+            call.module, out, call.query.to(dtype), call.key.to(dtype), call.value.to(dtype),
+            call.key_mask, call.causal, call.scaling,
         )  # fmt: skip
         return out.transpose(1, 2).to(call.query.dtype)  # transformers' (B, L, H, d_v)
 
