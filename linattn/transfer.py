@@ -143,6 +143,33 @@ class LayerFit:
         total = squared.sum()
         return squared / total if total > 0 else np.zeros_like(squared)
 
+    def worst_heads(self, count: int) -> tuple[int, ...]:
+        """The ``count`` heads with the largest :meth:`error_shares` (ties: the lower
+        index), in increasing order: the heads to attend exactly (``exact_heads``).
+
+        Raises
+        ------
+        ValueError
+            ``count`` is not an integer from 0 to the number of heads.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from linattn import FeatureMap
+        >>> fit = LayerFit(FeatureMap.fitted(np.eye(2), tied=True), np.array([0.1, 0.3, 0.2]),
+        ...     np.ones(3), np.array([4.0, 1.0, 4.0]), np.zeros(3, bool), 0, 0.0)
+        >>> fit.worst_heads(1), fit.worst_heads(2)
+        ((2,), (1, 2))
+        """
+        shares = self.error_shares()
+        given: object = count  # (what was given: the annotation says what to give)
+        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= shares.size:
+            raise ValueError(
+                f"exact_heads must be an integer from 0 to the number of query heads "
+                f"({shares.size}); got {given!r}"
+            )
+        return tuple(sorted(int(h) for h in np.argsort(-shares, kind="stable")[:given]))
+
 
 # -- the dense hybrid of one batch, and its gradient ------------------------------------
 

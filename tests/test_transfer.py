@@ -200,6 +200,57 @@ def test_a_converted_bert_encodes_and_reloads_without_refit(tmp_path) -> None:  
         attention_from_file(path, other)
 
 
+def test_exact_heads_of_a_converted_bert(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """exact_heads: every head exact is the exact model; one head per layer is the worst
+    fitted one, attends exactly, and survives the file and a resumed checkpoint."""
+    pytest.importorskip("safetensors")
+    from linattn.models.bert import BertConfig, BertEncoder, exact_attention, random_weights
+    from linattn.models.convert import attention_from_file, convert_encoder, save_fitted
+
+    config = BertConfig(8, 2, 2, 1e-12)
+    encoder = BertEncoder(random_weights(config, 50), config)
+    ids = RNG.integers(0, 50, size=(2, 12))
+    mask = np.ones((2, 12), dtype=bool)
+    mask[1, 9:] = False
+    options = {"window": 2, "num_features": 4, "steps": 3, "progress": lambda line: None}
+    every = convert_encoder(
+        encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], exact_heads=2, **options
+    )
+    assert every.attention.exact_heads == [(0, 1), (0, 1)]
+    np.testing.assert_allclose(
+        encoder.encode(ids, mask, every.attention), encoder.encode(ids, mask), rtol=1e-6
+    )
+    checkpoint = tmp_path / "maps.safetensors"
+    one = convert_encoder(
+        encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], exact_heads=1, checkpoint=checkpoint,
+        **options,
+    )  # fmt: skip
+    heads = one.attention.exact_heads
+    assert heads == [(int(np.argmax(f.error_shares())),) for f in one.fits]
+    q, k, v = encoder.qkv(encoder.embed(ids), 0)
+    got = one.attention(q, k, v, mask, 0)
+    h = heads[0][0]
+    np.testing.assert_allclose(got[:, h], exact_attention(q, k, v, mask, 0)[:, h], rtol=1e-6)
+    plain = convert_encoder(encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], **options)
+    np.testing.assert_array_equal(
+        np.delete(got, h, axis=1), np.delete(plain.attention(q, k, v, mask, 0), h, axis=1)
+    )
+    embeddings = encoder.encode(ids, mask, one.attention)
+    loaded = attention_from_file(save_fitted(tmp_path / "fitted.safetensors", one), encoder)
+    assert loaded.exact_heads == heads
+    np.testing.assert_array_equal(encoder.encode(ids, mask, loaded), embeddings)
+    resumed = convert_encoder(
+        encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], exact_heads=1, checkpoint=checkpoint,
+        **options,
+    )  # fmt: skip
+    assert resumed.fits == [None, None] and resumed.attention.exact_heads == heads
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match=f"exact_heads must be an integer >= 0; got {bad}"):
+            convert_encoder(encoder, [(ids, mask)], [(ids, mask)], exact_heads=bad, **options)
+    with pytest.raises(ValueError, match=r"from 0 to the number of query heads \(2\); got 3"):
+        convert_encoder(encoder, [(ids, mask)], [(ids, mask)], exact_heads=3, **options)
+
+
 def test_a_conversion_resumes_from_its_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("safetensors")
     from linattn.models.bert import BertConfig, BertEncoder, random_weights

@@ -579,7 +579,7 @@ def test_bad_exact_heads_are_refused_by_name() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=rf"exact_heads must be an integer >= 0; got {bad}"):
             convert(model, [_batch(1)], [_batch(2)], window=WINDOW, exact_heads=bad, steps=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"at most the number of query heads \(2 in attention"):
+    with pytest.raises(ValueError, match=r"from 0 to the number of query heads \(2\); got 3"):
         convert(model, [_batch(1)], [_batch(2)], window=WINDOW, exact_heads=3, steps=1)
     assert model.config._attn_implementation != "linattn"
     assert not any("_linattn_exact_heads" in m.__dict__ for m in model.modules())

@@ -71,6 +71,7 @@ def convert(args: argparse.Namespace) -> int:
         num_features=args.num_features,
         steps=args.steps,
         seed=args.seed,
+        exact_heads=args.exact_heads,
         progress=lambda line: console.print(line),
         checkpoint=out / FITTED_FILE,
     )
@@ -88,13 +89,14 @@ def convert(args: argparse.Namespace) -> int:
                 "validation_error": f.validation_error.tolist(),
                 "window_sinks_error": f.exact_parts_error.tolist(),
                 "exact_only_heads": int(f.exact_only.sum()),
+                "exact_heads": list(heads),
                 "error_shares": f.error_shares().tolist(),
                 "steps": f.steps,
                 "seconds": f.seconds,
             }
             if f is not None
             else {"resumed": True}
-            for f in done.fits
+            for f, heads in zip(done.fits, done.attention.exact_heads, strict=True)
         ],
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -105,12 +107,13 @@ def convert(args: argparse.Namespace) -> int:
         "window + sinks",
         "heads with g = 0",
         "worst head (share)",
+        "exact heads",
         "steps",
         "s",
     )
     for header in headers:
         table.add_column(header, right=header != "layer")
-    for layer, fit in enumerate(done.fits):
+    for layer, (fit, exact) in enumerate(zip(done.fits, done.attention.exact_heads, strict=True)):
         if fit is None:
             table.add_row(str(layer), "resumed", *[""] * (len(headers) - 2))
             continue
@@ -122,6 +125,7 @@ def convert(args: argparse.Namespace) -> int:
             f"{np.sqrt(np.mean(fit.exact_parts_error**2)):.3f}",
             str(int(fit.exact_only.sum())),
             f"{worst} ({shares[worst]:.0%})",
+            " ".join(map(str, exact)) or "-",
             str(fit.steps),
             f"{fit.seconds:.0f}",
         )

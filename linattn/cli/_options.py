@@ -454,6 +454,11 @@ def build_parser(
         "--batch-size", type=number(integer=True, positive=True), default=8,
         help="texts per step (default: 8)",
     )  # fmt: skip
+    convert.add_argument(
+        "--exact-heads", type=number(integer=True, positive=False), default=0,
+        help="heads per layer attending exactly, those the map follows worst (each costs "
+        "exact attention's time and memory; default: 0)",
+    )  # fmt: skip
     convert.add_argument("--seed", type=_seed, default=0, help="seed (default: 0)")
     commands_ = (
         ("demo", demo), ("accuracy", accuracy), ("bench", bench), ("info", info),

@@ -453,7 +453,7 @@ def convert(
                 )  # fmt: skip
                 module.__dict__[FITTED] = result.feature_map
                 if exact_heads:
-                    module.__dict__[EXACT_HEADS] = _worst_heads(result, exact_heads, layer)
+                    module.__dict__[EXACT_HEADS] = result.worst_heads(exact_heads)
                 fits.append(result)
                 del fit_data, val_data
     except BaseException:
@@ -468,17 +468,6 @@ def convert(
         "exact_heads": [list(m.__dict__.get(EXACT_HEADS, ())) for m in capture.order],
     }  # fmt: skip
     return model
-
-
-def _worst_heads(fit: LayerFit, count: int, layer: int) -> tuple[int, ...]:
-    """The ``count`` heads with the largest shares of the layer's fitted error."""
-    shares = fit.error_shares()
-    if count > shares.size:
-        raise ValueError(
-            f"exact_heads must be at most the number of query heads ({shares.size} in "
-            f"attention layer {layer}); got {count}"
-        )
-    return tuple(sorted(int(h) for h in np.argsort(-shares, kind="stable")[:count]))
 
 
 def layer_errors(

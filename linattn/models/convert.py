@@ -18,7 +18,7 @@ and the library version (:func:`save_fitted`, :func:`load_fitted`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,13 +92,16 @@ def sep_mask(key_mask: np.ndarray) -> np.ndarray:
 class FittedAttention:
     """The attention callable of a converted encoder (``attention(q, k, v, mask, layer)``).
 
-    ``maps[l]`` is layer ``l``'s fitted map (None: the exact parts alone).
+    ``maps[l]`` is layer ``l``'s fitted map (None: the exact parts alone);
+    ``exact_heads[l]`` (when given) the heads of layer ``l`` that attend exactly, softmax
+    attention over every real key, as the model's own (``convert_encoder(exact_heads=)``).
     """
 
     maps: list[la.FeatureMap | None]
     window: int | None
     sink_keys: int = 1
     exact_sep: bool = True
+    exact_heads: list[tuple[int, ...]] = field(default_factory=list)
 
     def __call__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray, layer: int
@@ -117,6 +120,10 @@ class FittedAttention:
             exact_key_mask=exact,
             scale=None if fm is not None else 1.0 / np.sqrt(q.shape[-1]),
         )
+        heads = list(self.exact_heads[layer]) if layer < len(self.exact_heads) else []
+        if heads:
+            out = out.copy()
+            out[:, heads] = exact_attention(q[:, heads], k[:, heads], v[:, heads], key_mask, layer)
         return out
 
 
@@ -173,6 +180,7 @@ def convert_encoder(
     progress: Callable[[str], None] | None = None,
     checkpoint: str | Path | None = None,
     exact_sep: bool = True,
+    exact_heads: int = 0,
 ) -> ConvertedEncoder:
     """Fit every layer's maps and far weights; the encoder's weights stay as they are.
 
@@ -193,6 +201,11 @@ def convert_encoder(
         As :func:`linattn.transfer.fit_layer` (``seed + layer`` per layer).
     exact_sep : bool, default True
         Each row's ``[SEP]`` is an exact key too.
+    exact_heads : int, default 0
+        Heads per layer attending to every key exactly (softmax attention), beside the
+        fitted hybrid of the others: the ones with the largest share of the layer's
+        fitted error on ``validation`` (:meth:`linattn.transfer.LayerFit.worst_heads`);
+        each costs exact attention's ``O(L^2)`` time and memory.
     checkpoint : path, optional
         A fitted-maps file written after every layer; a rerun with the same options
         resumes after the layers it holds (their ``fits`` entries are None).
@@ -210,6 +223,9 @@ def convert_encoder(
     """
     if stitch not in ("exact", "converted"):
         raise ValueError(f"stitch must be 'exact' or 'converted'; got {stitch!r}")
+    given: object = exact_heads  # (what was given: the annotation says what to give)
+    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+        raise ValueError(f"exact_heads must be an integer >= 0; got {given!r}")
     if not fit or not validation:
         raise ValueError("fit and validation must each hold at least one batch")
     for name, split in (("fit", fit), ("validation", validation)):
@@ -227,9 +243,10 @@ def convert_encoder(
         "stitch": stitch,
         "steps": steps,
         "seed": seed,
+        "exact_heads": exact_heads,
     }
     fingerprint = model_fingerprint(encoder)
-    done = _resumed(checkpoint, fingerprint, options)
+    done, done_heads = _resumed(checkpoint, fingerprint, options)
     attention = FittedAttention([], window, sink_keys, exact_sep)
     splits = {"fit": list(fit), "validation": list(validation)}
     hidden = {name: [encoder.embed(np.asarray(ids)) for ids, _ in b] for name, b in splits.items()}
@@ -242,6 +259,7 @@ def convert_encoder(
         if layer < len(done):
             fits.append(None)
             attention.maps.append(done[layer])
+            attention.exact_heads.append(done_heads[layer])
             if progress is not None:
                 progress(f"layer {layer}: resumed from {checkpoint}")
         else:
@@ -258,10 +276,12 @@ def convert_encoder(
             )
             fits.append(result)
             attention.maps.append(result.feature_map)
+            attention.exact_heads.append(result.worst_heads(exact_heads))
             if checkpoint is not None:
                 save_maps(
-                    checkpoint, attention.maps, model_fingerprint=fingerprint, options=options
-                )
+                    checkpoint, attention.maps, model_fingerprint=fingerprint,
+                    options=_with_heads(options, attention),
+                )  # fmt: skip
         for name in splits:
             advanced = []
             rows = zip(hidden[name], data[name][1], splits[name], strict=True)
@@ -276,28 +296,44 @@ def convert_encoder(
     return ConvertedEncoder(attention, fits, options, fingerprint)
 
 
+#: Where a fitted-maps file keeps each layer's exact heads (beside the options).
+HEADS_ENTRY = "exact_heads_per_layer"
+
+
+def _with_heads(options: dict[str, Any], attention: FittedAttention) -> dict[str, Any]:
+    return {**options, HEADS_ENTRY: [list(heads) for heads in attention.exact_heads]}
+
+
+def _heads_of(saved: Mapping[str, Any], layers: int) -> list[tuple[int, ...]]:
+    heads = saved.get(HEADS_ENTRY) or [[]] * layers
+    return [tuple(int(h) for h in entry) for entry in heads]
+
+
 def _resumed(
     checkpoint: str | Path | None, fingerprint: str, options: dict[str, Any]
-) -> list[la.FeatureMap | None]:
-    """The layers a checkpoint of this model and these options holds (none: [])."""
+) -> tuple[list[la.FeatureMap | None], list[tuple[int, ...]]]:
+    """The layers a checkpoint of this model and these options holds (none: []), and
+    their exact heads."""
     if checkpoint is None or not Path(checkpoint).exists():
-        return []
+        return [], []
     layers, saved = load_maps(checkpoint, model_fingerprint=fingerprint)
-    if saved != options:
+    asked = {name: saved.get(name) for name in options}
+    if asked != options:
         raise ValueError(
-            f"checkpoint {checkpoint} holds maps fitted with other options ({saved}); "
+            f"checkpoint {checkpoint} holds maps fitted with other options ({asked}); "
             f"expected {options}: remove it or pass another path"
         )
-    return [fm for fm, _ in layers]
+    return [fm for fm, _ in layers], _heads_of(saved, len(layers))
 
 
 def save_fitted(path: str | Path, converted: ConvertedEncoder) -> Path:
-    """Write the fitted maps to one safetensors file (:func:`linattn.transfer.save_maps`)."""
+    """Write the fitted maps (and exact heads) to one safetensors file
+    (:func:`linattn.transfer.save_maps`)."""
     return save_maps(
         path,
         converted.attention.maps,
         model_fingerprint=converted.fingerprint,
-        options=converted.options,
+        options=_with_heads(converted.options, converted.attention),
     )
 
 
@@ -311,4 +347,7 @@ def load_fitted(
 def attention_from_file(path: str | Path, encoder: BertEncoder) -> FittedAttention:
     """The converted encoder's attention callable, loaded with no refit."""
     layers, options = load_fitted(path, encoder)
-    return FittedAttention([fm for fm, _ in layers], options["window"], options["sink_keys"], True)
+    return FittedAttention(
+        [fm for fm, _ in layers], options["window"], options["sink_keys"], True,
+        _heads_of(options, len(layers)),
+    )  # fmt: skip
