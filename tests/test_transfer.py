@@ -175,16 +175,24 @@ def test_maps_save_and_load_with_their_model_and_version(tmp_path, monkeypatch) 
         transfer.load_maps(tmp_path / "other", model_fingerprint=None)
 
 
-def test_a_converted_bert_encodes_and_reloads_without_refit(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    pytest.importorskip("safetensors")
+def _tiny_bert():  # type: ignore[no-untyped-def]
+    """A random 2-layer, 2-head BERT, its config, and a batch with one padded row."""
     from linattn.models.bert import BertConfig, BertEncoder, random_weights
-    from linattn.models.convert import attention_from_file, convert_encoder, save_fitted
 
     config = BertConfig(8, 2, 2, 1e-12)
     encoder = BertEncoder(random_weights(config, 50), config)
     ids = RNG.integers(0, 50, size=(2, 12))
     mask = np.ones((2, 12), dtype=bool)
     mask[1, 9:] = False
+    return config, encoder, ids, mask
+
+
+def test_a_converted_bert_encodes_and_reloads_without_refit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("safetensors")
+    from linattn.models.bert import BertEncoder, random_weights
+    from linattn.models.convert import attention_from_file, convert_encoder, save_fitted
+
+    config, encoder, ids, mask = _tiny_bert()
     done = convert_encoder(
         encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], window=2, num_features=4, steps=4,
         stitch="converted", progress=lambda line: None,
@@ -204,14 +212,10 @@ def test_exact_heads_of_a_converted_bert(tmp_path) -> None:  # type: ignore[no-u
     """exact_heads: every head exact is the exact model; one head per layer is the worst
     fitted one, attends exactly, and survives the file and a resumed checkpoint."""
     pytest.importorskip("safetensors")
-    from linattn.models.bert import BertConfig, BertEncoder, exact_attention, random_weights
+    from linattn.models.bert import exact_attention
     from linattn.models.convert import attention_from_file, convert_encoder, save_fitted
 
-    config = BertConfig(8, 2, 2, 1e-12)
-    encoder = BertEncoder(random_weights(config, 50), config)
-    ids = RNG.integers(0, 50, size=(2, 12))
-    mask = np.ones((2, 12), dtype=bool)
-    mask[1, 9:] = False
+    _, encoder, ids, mask = _tiny_bert()
     options = {"window": 2, "num_features": 4, "steps": 3, "progress": lambda line: None}
     every = convert_encoder(
         encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], exact_heads=2, **options
