@@ -61,6 +61,41 @@ def inputs(ids: np.ndarray, mask: np.ndarray) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask.astype(np.int64))}
 
 
+def encode_times(model, maps, batches, repeats: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median seconds to encode ``batches`` per configuration (interleaved rounds after one
+    warm-up round), and each one's ratio to exact attention; the model comes back as it
+    was."""
+    modules = [layer.attention.self for layer in model.encoder.layer]
+    heads = [m.__dict__.get(EXACT_HEADS) for m in modules]
+
+    def configure(name: str) -> None:
+        model.set_attn_implementation("sdpa" if name == "exact" else "linattn")
+        for module, fm, exact in zip(modules, maps, heads, strict=True):
+            g0 = name == "window + sinks"
+            module.__dict__["_linattn_fitted"] = fm.with_parameters(far_weight=0.0) if g0 else fm
+            module.__dict__.pop(EXACT_HEADS, None)
+            if name == "fitted + exact heads" and exact:
+                module.__dict__[EXACT_HEADS] = exact
+
+    names = ["exact", "window + sinks", "fitted"] + (["fitted + exact heads"] * any(heads))
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    with torch.no_grad():
+        for round_ in range(repeats + 1):
+            for name in names:
+                configure(name)
+                start = time.perf_counter()
+                for b in batches:
+                    model(**b)
+                if round_:  # round 0 warms every path up
+                    seconds[name].append(time.perf_counter() - start)
+    configure("fitted + exact heads")
+    median = {name: float(np.median(t)) for name, t in seconds.items()}
+    return {
+        **{f"{name} s": round(t, 3) for name, t in median.items()},
+        **{f"{name} / exact": round(t / median["exact"], 3) for name, t in median.items()},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", choices=("docs", "texts"), default="docs")
@@ -79,6 +114,12 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--maps", default="/tmp/linattn-e2e-maps.safetensors")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--time-repeats", type=int, default=0,
+        help="also time encoding the TEST split: exact (SDPA), window + sinks, the fitted "
+        "hybrid and (with --exact-heads) the fitted hybrid with exact heads, interleaved, "
+        "this many rounds (medians, ratios to exact)",
+    )  # fmt: skip
     ap.add_argument(
         "--layers", action="store_true",
         help="also each layer's attention error on the TEST split, on the converted "
@@ -168,6 +209,9 @@ def main() -> None:
     if args.layers:
         results[-1]["layers"] = layers()
     print(json.dumps(results[-1]), flush=True)
+    if args.time_repeats:
+        results[-1]["encode"] = encode_times(model, maps, test_inputs, args.time_repeats)
+        print(json.dumps(results[-1]["encode"]), flush=True)
     start = time.perf_counter()
     refine(
         model, [inputs(*b) for b in parts["fit"]], [inputs(*b) for b in parts["validation"]],
