@@ -141,8 +141,10 @@ def dense_hybrid(
     v_j``: near keys are the window, the sinks and the exact keys, far keys every other
     real (and, causal, past) key; a head with ``g = 0`` keeps its near keys alone (and
     ``g`` gets no gradient there; without a window, sinks or exact keys ``g`` cancels,
-    as in the library); a query that sees no key outputs zeros.  Parameters are cast to
-    ``q``'s dtype (their gradients come back in their own).
+    as in the library); a query that sees no key outputs zeros.  A head whose ``g`` is
+    negative or NaN outputs NaN (its callers refuse such values first where they can
+    read them; under ``jax.jit`` they cannot).  Parameters are cast to ``q``'s dtype
+    (their gradients come back in their own).
 
     Parameters
     ----------
@@ -196,6 +198,8 @@ def dense_hybrid(
     g = cast(1.0 if far_weight is None else far_weight)
     if g.ndim:  # one per key head: against (..., H_kv, [G,] L, L)
         g = xp.reshape(g, (g.shape[0],) + (1,) * (3 if grouping else 2))
+    # A negative or NaN g (values only a traced call cannot check first): NaN outputs.
+    valid = g >= 0
     exact_parts = window is not None or sink_keys > 0 or exact_key_mask is not None
     # Without exact parts g cancels (g = 0 too): the map is all there is.
     on = g > 0 if exact_parts else xp.ones_like(g, dtype=xp.bool)
@@ -219,4 +223,4 @@ def dense_hybrid(
     any_key = has_near | (xp.any(far, axis=-1, keepdims=True) & on)  # none: zeros
     probs = softmax(xp, xp.where(any_key, scores, xp.zeros_like(scores)))
     out = xp.matmul(xp.where(any_key, probs, xp.zeros_like(probs)), gv)
-    return ungroup(out)
+    return ungroup(xp.where(valid, out, constant(xp, math.nan, out)))

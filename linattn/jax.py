@@ -69,9 +69,10 @@ def fitted_attention(
     there and by the front door before anything runs (shapes, heads, options).  Under
     ``jax.jit`` a traced parameter's values are unknown until the call runs:
     ``far_weight >= 0`` is then checked inside the library path's callback (JAX's
-    callback error), while the dense form takes ``g <= 0`` as 0.  ``far_weight`` must
-    stay non-negative: parametrise it (``far_weight=jnp.exp(log_g)``); a head with ``g =
-    0`` has chosen the exact parts and gets no gradient.  The masks get no gradient.
+    callback error), while the dense form gives a head with a negative (or NaN) ``g``
+    NaN outputs, never a silently clipped answer.  ``far_weight`` must stay
+    non-negative: parametrise it (``far_weight=jnp.exp(log_g)``); a head with ``g = 0``
+    has chosen the exact parts and gets no gradient.  The masks get no gradient.
 
     Parameters
     ----------

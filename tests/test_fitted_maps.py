@@ -755,6 +755,18 @@ def test_jax_fitted_attention_differentiates_the_parameters() -> None:
         for run in (fitted_attention, jax.jit(fitted_attention, static_argnames="tied")):
             with pytest.raises(ValueError, match="query_weight has 3 heads cannot serve"):
                 run(q, k, v, w, tied=True)
+        # Under jit a traced g < 0 cannot be refused first: the dense form gives its head
+        # NaN (not the g = 0 answer), the other heads what a valid g gives them.
+        q, k, v = (jnp.asarray(a) for a in _inputs(rng, 2, 2, length=5))
+
+        def jitted_call(g, q=q, k=k, v=v, w=w[:2]):
+            return fitted_attention(q, k, v, w, tied=True, far_weight=g, **HYBRID)
+
+        jitted = jax.jit(jitted_call)
+        got = np.asarray(jitted(jnp.array([-1.0, 0.5])))
+        want = np.asarray(jitted(jnp.array([0.0, 0.5])))
+        assert np.isnan(got[:, 0]).all() and np.isfinite(want[:, 0]).all()
+        np.testing.assert_array_equal(got[:, 1], want[:, 1])
 
 
 def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:
