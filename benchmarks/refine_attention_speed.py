@@ -6,9 +6,11 @@ map parameter, timed for ``linattn.torch.fitted_attention`` forced to the librar
 (``dense=False``: forward ``linear_attention``, backward
 ``linear_attention_vjp(parameters=True)``) and to its dense form (``dense=True``:
 ``linattn._fitted_call.dense_hybrid``, torch autograd), best of three, in one run; and
-their largest output difference.
+their largest output difference.  ``bare`` times ``dense_hybrid`` called directly, without
+``fitted_attention``'s checks: ``dense / bare`` is what the checks cost a call.
 
     python benchmarks/refine_attention_speed.py --batch 8 --lengths 128 256 384 512
+    python benchmarks/refine_attention_speed.py --batch 8 --lengths 32 64 128 --repeats 15
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import time
 
 import torch
 
+from linattn._fitted_call import dense_hybrid
 from linattn.torch import fitted_attention
 
 
-def measure(batch: int, length: int) -> None:
+def measure(batch: int, length: int, repeats: int = 3) -> None:
     """Time both at one length and print a line."""
     heads, d, half = 12, 32, 32
     torch.manual_seed(0)
@@ -53,11 +56,19 @@ def measure(batch: int, length: int) -> None:
     def fitted_dense() -> torch.Tensor:
         return call(True)
 
+    def bare() -> torch.Tensor:
+        out = dense_hybrid(
+            q, k, v, p["query_weight"], p["query_bias"], key_weight=p["key_weight"],
+            key_bias=p["key_bias"], far_weight=log_g.exp(), key_mask=key_mask,
+            exact_key_mask=exact, **options,
+        )  # fmt: skip
+        return out.transpose(1, 2)
+
     grad = torch.randn(batch, length, heads, d)
     times = {}
-    for name, run in (("library", library), ("dense", fitted_dense)):
+    for name, run in (("library", library), ("dense", fitted_dense), ("bare", bare)):
         best = float("inf")
-        for _ in range(3):
+        for _ in range(repeats):
             start = time.perf_counter()
             out = run()
             torch.autograd.grad((out * grad).sum(), [q, k, v, *p.values(), log_g])
@@ -68,7 +79,8 @@ def measure(batch: int, length: int) -> None:
     print(
         f"L={length}: library {times['library']:.3f} s, dense {times['dense']:.3f} s "
         f"(library / dense {times['library'] / times['dense']:.2f}), max |diff| "
-        f"{difference:.1e}",
+        f"{difference:.1e}; bare dense_hybrid {times['bare']:.4f} s (dense / bare "
+        f"{times['dense'] / times['bare']:.3f})",
         flush=True,
     )
 
@@ -78,10 +90,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="best of this many calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for length in args.lengths:
-        measure(args.batch, length)
+        measure(args.batch, length, args.repeats)
 
 
 if __name__ == "__main__":

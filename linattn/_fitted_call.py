@@ -21,7 +21,10 @@ equal, gradients included).
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping
 from typing import Any, Literal
+
+import numpy as np
 
 from linattn._gqa import grouped
 from linattn._plan import plan_attention
@@ -36,9 +39,16 @@ from linattn._xp import (
     stop_gradient,
 )
 from linattn.features import FeatureMap
-from linattn.fitted import log_softmax_pairs
+from linattn.fitted import check_values, log_softmax_pairs
 
-__all__ = ["DENSE_MAX_LENGTH", "check_call", "dense_hybrid", "near_and_far", "use_dense"]
+__all__ = [
+    "DENSE_MAX_LENGTH",
+    "check_call",
+    "check_dense_call",
+    "dense_hybrid",
+    "near_and_far",
+    "use_dense",
+]
 
 #: The longest self-attention the dense form computes when the caller leaves the choice
 #: (``dense=None``).  One MiniLM-sized call (12 heads, d = 32, m = 64, batch 8), forward
@@ -81,6 +91,68 @@ def check_call(q: Any, k: Any, v: Any, feature_map: FeatureMap, options: dict[st
         except ValueError:
             feature_map.log_features(x, role=role)  # the error, naming the inputs' shape
             raise
+
+
+#: Structures :func:`check_dense_call` has checked (bounded: cleared when full).
+_CHECKED: dict[Hashable, None] = {}
+_CHECKED_MAX = 256
+
+
+def check_dense_call(
+    q: Any, k: Any, v: Any, parameters: Mapping[str, Any], tied: bool, scale: float | None,
+    options: dict[str, Any],
+) -> None:  # fmt: skip
+    """:func:`check_call` for the dense form, which needs no host copy of the map:
+    the structure (every shape, dtype, device and option) is checked once, on a stand-in
+    map of zeros of the parameters' shapes, and remembered; the values are checked on
+    every call in the parameters' own array library (:func:`linattn.fitted.check_values`).
+
+    ``parameters`` maps :data:`PARAMETERS` names to arrays, numbers or None.
+    """
+    present = {name: x for name, x in parameters.items() if x is not None}
+    key = _structure(q, k, v, present, tied, scale, options)
+    if key is None or key not in _CHECKED:
+        stand_ins = {
+            name: namespace_of({name: x}).zeros_like(x) if is_array(x) else np.zeros(np.shape(x))
+            for name, x in present.items()
+        }
+        stand_in = FeatureMap.fitted(
+            stand_ins.pop("query_weight", None), **stand_ins, tied=tied, scale=scale
+        )
+        check_call(q, k, v, stand_in, options)
+        if key is not None:
+            if len(_CHECKED) >= _CHECKED_MAX:
+                _CHECKED.clear()
+            _CHECKED[key] = None
+    for name, x in present.items():
+        if is_array(x):
+            check_values(namespace_of({name: x}), name, x)
+        else:
+            check_values(np, name, np.asarray(x, dtype=np.float64))
+
+
+def _structure(
+    q: Any, k: Any, v: Any, parameters: Mapping[str, Any], tied: bool, scale: float | None,
+    options: dict[str, Any],
+) -> Hashable | None:  # fmt: skip
+    """What :func:`check_call`'s verdict depends on, hashable; None where an argument is
+    neither an array nor a hashable value (then the call is checked in full)."""
+
+    def signature(x: Any) -> Hashable:
+        if is_array(x):
+            return (type(x), tuple(x.shape), str(x.dtype), str(array_device(x)))
+        hash(x)
+        return (type(x), x) if not isinstance(x, float) else (float, math.isfinite(x))
+
+    try:
+        return (
+            tuple(signature(x) for x in (q, k, v)),
+            tuple(sorted((name, signature(x)) for name, x in parameters.items())),
+            tied, scale,
+            tuple(sorted((name, signature(x)) for name, x in options.items())),
+        )  # fmt: skip
+    except TypeError:
+        return None
 
 
 def near_and_far(

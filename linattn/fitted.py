@@ -46,6 +46,7 @@ __all__ = [
     "FittedParameters",
     "add_cotangents",
     "check_parameters",
+    "check_values",
     "describe",
     "head_axes",
     "initial_parameters",
@@ -106,13 +107,30 @@ class FittedParameters(NamedTuple):
         return {name: getattr(self, name) for name in names}
 
 
+def check_values(xp: Namespace, name: str, value: Array) -> None:
+    """The rules on a parameter's values, in its own array library (no host copy unless
+    it is wrong): finite, and ``far_weight`` non-negative.  ``ValueError`` naming it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> check_values(np, "far_weight", np.array([0.5, -1.0]))
+    Traceback (most recent call last):
+    ...
+    ValueError: far_weight must be non-negative; got [0.5, -1.0]
+    """
+    if not bool(xp.all(xp.isfinite(value))):
+        raise ValueError(f"{name} must be finite; got NaN or infinite values")
+    if name == "far_weight" and bool(xp.any(value < 0)):
+        raise ValueError(f"far_weight must be non-negative; got {to_host(value).tolist()}")
+
+
 def _host(name: str, value: Any) -> np.ndarray:
     host = to_host(value) if is_array(value) else np.asarray(value)
     if host.dtype.kind not in "iuf":
         raise TypeError(f"{name} must hold real numbers; got dtype {host.dtype}")
     host = np.array(host, dtype=np.float64, copy=True)
-    if not np.all(np.isfinite(host)):
-        raise ValueError(f"{name} must be finite; got NaN or infinite values")
+    check_values(np, name, host)
     host.setflags(write=False)
     return host
 
@@ -173,8 +191,6 @@ def check_parameters(
             f"far_weight must be a number or have shape {key_heads} (one per key head); "
             f"got shape {g.shape}"
         )
-    if np.any(g < 0):
-        raise ValueError(f"far_weight must be non-negative; got {g.tolist()}")
     return FittedParameters(wq, bq, wk, bk, g)
 
 

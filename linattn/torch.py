@@ -28,7 +28,7 @@ from torch.nn import functional
 
 from linattn._call import hybrid_options
 from linattn._dispatch import Backend
-from linattn._fitted_call import check_call, dense_hybrid, use_dense
+from linattn._fitted_call import check_dense_call, dense_hybrid, use_dense
 from linattn._layer_maps import fitted_template
 from linattn.attention import linear_attention
 from linattn.features import KINDS, FeatureMap, Kind
@@ -116,19 +116,19 @@ def fitted_attention(
         name: value.detach() if isinstance(value, torch.Tensor) else value
         for name, value in zip(FITTED_BUFFERS, parameters, strict=True)
     }
-    feature_map = FeatureMap.fitted(values.pop("query_weight"), **values, tied=tied, scale=scale)
     options = {
         "causal": causal, "key_mask": key_mask, "window": window, "sink_keys": sink_keys,
         "exact_key_mask": exact_key_mask, "chunk_size": chunk_size, "backend": backend,
     }  # fmt: skip
-    if use_dense(dense, backend, q, k):
-        check_call(q, k, v, feature_map, options)
+    if use_dense(dense, backend, q, k):  # no host copy of the map
+        check_dense_call(q, k, v, values, tied, scale, options)
         dense_out: torch.Tensor = dense_hybrid(
             q, k, v, query_weight, query_bias, key_weight=key_weight, key_bias=key_bias,
             far_weight=far_weight, tied=tied, causal=causal, key_mask=key_mask,
             window=window, sink_keys=sink_keys, exact_key_mask=exact_key_mask, scale=scale,
         )  # fmt: skip
         return dense_out
+    feature_map = FeatureMap.fitted(values.pop("query_weight"), **values, tied=tied, scale=scale)
     out: torch.Tensor = _FittedAttention.apply(feature_map, options, q, k, v, *parameters)
     return out
 

@@ -12,6 +12,8 @@ tests are about paths and parameter layouts (per head, grouped-query, shared and
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -691,6 +693,42 @@ def test_torch_fitted_attention_differentiates_the_parameters() -> None:
         wrong_heads = r"query_weight has heads \(4\) needs inputs \(\.\.\., 4, L, d\); got shape"
         with pytest.raises(ValueError, match=wrong_heads):
             fitted_attention(q[:, :2], k[:, :1], v[:, :1], **tensors, dense=dense)
+
+
+def test_dense_form_checks_a_structure_once_and_values_every_call(monkeypatch) -> None:
+    """The dense form of ``linattn.torch.fitted_attention`` copies no parameter to the
+    host once a call of the same structure has been checked, yet still refuses bad
+    values on every call and checks every new structure in full."""
+    torch = pytest.importorskip("torch")
+    from linattn import _fitted_call, fitted
+    from linattn.torch import fitted_attention
+
+    rng = np.random.default_rng(17)
+    tensors = {
+        "query_weight": torch.tensor(rng.normal(size=(2, D, N // 2))),
+        "far_weight": torch.tensor([0.5, 1.5]),
+    }
+    q, k, v = (torch.tensor(a) for a in _inputs(rng, 2, 2, length=5))
+    _fitted_call._CHECKED.clear()
+    host_copies = []
+    original = fitted.to_host
+    monkeypatch.setattr(fitted, "to_host", lambda x: host_copies.append(x) or original(x))
+    fitted_attention(q, k, v, **tensors, tied=True, **HYBRID)
+    assert host_copies and not any(np.any(original(x)) for x in host_copies)  # stand-ins
+    host_copies.clear()
+    out = fitted_attention(q, k, v, **tensors, tied=True, **HYBRID)
+    assert host_copies == []  # the same structure: values checked on the tensors
+    ref = la.linear_attention(q, k, v, la.FeatureMap.fitted(**tensors, tied=True), **HYBRID)
+    _close(out.numpy(), ref.numpy())
+    for name, bad, message in (
+        ("far_weight", torch.tensor([0.5, -1.0]), "far_weight must be non-negative"),
+        ("far_weight", torch.tensor([0.5, math.nan]), "far_weight must be finite"),
+        ("query_weight", tensors["query_weight"] * math.inf, "query_weight must be finite"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fitted_attention(q, k, v, **{**tensors, name: bad}, tied=True, **HYBRID)
+    with pytest.raises(ValueError, match=r"query_weight has heads \(2\)"):  # a new structure
+        fitted_attention(q[:, :1], k[:, :1], v[:, :1], **tensors, tied=True, **HYBRID)
 
 
 @pytest.mark.needs("jax")
