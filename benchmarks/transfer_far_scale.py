@@ -17,8 +17,9 @@ columns, ``softmax(x W + b)`` with ``W`` d x 64 from ``[I, -I]``: Hedgehog's map
 special case), "split" (LoLCATs' halves, ``[softmax(x W), softmax(-x W)]``), "exp"
 (Hedgehog's first form, ``exp([x W, -x W])``, not normalised), "rf" (positive random
 features ``exp(x w - |x|^2 / 2)`` with learned directions) and "mlp" (``x W`` plus a
-zero-started residual ReLU layer of width 128 before the softmax).  A measurement, not a
-library path.
+zero-started residual ReLU layer of width 128 before the softmax); "dir" gives the far keys
+after the query (bidirectional attention) their own query map and far weight.  A
+measurement, not a library path.
 
 Each layer is fed the exact model's activations.  Printed per layer: the relative error
 on the TEST documents (and on the FIT documents, ``_fit``), its ratio to window + sinks',
@@ -28,6 +29,7 @@ large share and a large error decides the layer's figure).
     python benchmarks/transfer_far_scale.py 0 150 fitted,qscale,kscale,both
     python benchmarks/transfer_far_scale.py 0 150 fitted,rowmax,decay,same,mass
     python benchmarks/transfer_far_scale.py 0 150 fitted,free,split,exp,rf,mlp
+    python benchmarks/transfer_far_scale.py 0 150 fitted,dir
     python benchmarks/transfer_far_scale.py 1,2 150 fitted
 """
 
@@ -106,6 +108,9 @@ def forward(q, k, v, near, far, P, mode, same=None):
         return torch.softmax(torch.where(near, logits, torch.tensor(-torch.inf)), -1) @ v
     lq = log_features(q, P, mode, "q")
     lk = log_features(k, P, mode, "k") + P["lg"][:, None, None]
+    if mode == "dir":  # far keys after the query: their own query map and far weight
+        lq2 = torch.log_softmax(torch.cat([u := q @ P["wq2"] + P["bq2"][:, None], -u], -1), -1)
+        lk2 = lk - P["lg"][:, None, None] + P["lg2"][:, None, None]
     if mode in ("qscale", "both"):
         lq = lq + (q @ P["a"][:, :, None]) + P["c"][:, None, None]
     if mode in ("kscale", "both"):
@@ -116,6 +121,12 @@ def forward(q, k, v, near, far, P, mode, same=None):
     lfar = (
         torch.log((lq - mq).exp() @ (lk - mk).exp().transpose(-1, -2)) + mq + mk.transpose(-1, -2)
     )
+    if mode == "dir":
+        mq2, mk2 = lq2.amax(-1, keepdim=True).detach(), lk2.amax(-1, keepdim=True).detach()
+        later = torch.log((lq2 - mq2).exp() @ (lk2 - mk2).exp().transpose(-1, -2))
+        later = later + mq2 + mk2.transpose(-1, -2)
+        t = torch.arange(q.shape[-2])
+        lfar = torch.where(t[None, :] > t[:, None], later, lfar)
     if mode == "rowmax":  # LoLCATs' form: near weights stabilised by their row maximum
         lfar = lfar + torch.where(near, logits, torch.tensor(-torch.inf)).amax(-1, keepdim=True)
     if mode == "mass":  # oracle: each row's far part carries the exact far mass
@@ -185,6 +196,8 @@ for layer in layer_ids:
             "c": torch.zeros(H),
             "ak": torch.zeros(H, d),
             "rho": torch.full((H,), -6.0),
+            "wq2": eye.clone(),
+            "bq2": torch.zeros(H, m2),
         }
         for side in "qk":
             P["f" + side] = torch.cat([eye, -eye], -1)
@@ -208,6 +221,7 @@ for layer in layer_ids:
             sel = rows[..., 0].expand_as(ratio) & (mp > 0)
             for h in range(H):
                 P["lg"][h] = ratio[:, h][sel[:, h]].median()
+            P["lg2"] = P["lg"].clone()
         for x in P.values():
             x.requires_grad_(True)
         opt = torch.optim.Adam(P.values(), lr=0.01)

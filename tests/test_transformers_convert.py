@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import numpy as np
@@ -98,6 +99,31 @@ def _converted(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         num_features=8, steps=8, progress=lambda line: None, **OPTIONS[name],
     )  # fmt: skip
     return model, before
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_a_saved_converted_model_compiles_in_one_graph(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A converted model loaded with from_pretrained and compiled before any eager call:
+    its first call reads the maps outside the graph and equals the eager model; once
+    read, the whole model is one graph (masks, [CLS]/[SEP] keys, grouped-query heads,
+    an exact head per layer, the hybrid's kernels)."""
+    from linattn.integrations.transformers_convert import EXACT_HEADS, FITTED
+
+    model = copy.deepcopy(_converted(name)[0])  # (save_fitted sets its config)
+    for module in model.modules():
+        if FITTED in module.__dict__:
+            module.__dict__[EXACT_HEADS] = (1,)
+    save_fitted(model, tmp_path / "maps.safetensors")
+    model.save_pretrained(tmp_path)
+    auto = transformers.AutoModel if name == "bert" else transformers.AutoModelForCausalLM
+    loaded = auto.from_pretrained(tmp_path, attn_implementation="linattn").eval()
+    batch = _batch(4)
+    torch.compiler.reset()
+    compiled = _output(torch.compile(loaded, backend="aot_eager"), batch)
+    torch.testing.assert_close(compiled, _output(model, batch), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(loaded)(**batch)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
 
 
 def _first_and_last(mask: torch.Tensor) -> torch.Tensor:

@@ -158,9 +158,8 @@ def test_exact_keys_and_no_feature_map_equal_the_direct_call(
 @pytest.mark.skipif(not HAS_WINDOW, reason="needs linear_attention(window=) (the hybrid)")
 def test_exact_keys_trace_without_graph_breaks() -> None:
     """The special keys are tensor operations: torch.compile keeps the call in one graph
-    (the map is drawn by a first call outside the trace, as a model's eager run does).
-    On the compiled kernels (the torch-kernels executor): the portable exact-keys part
-    counts its keys on the host, a graph break."""
+    once the module's map is drawn, which a first call does outside the graph, compiled
+    or not (a model compiled before any eager call)."""
     pytest.importorskip("linattn_numba.cpu.hybrid", reason="one graph needs linattn[numba]")
     register(num_features=16, window=4, sink_keys=1, exact_keys="special")
     module = torch.nn.Module()
@@ -169,7 +168,9 @@ def test_exact_keys_trace_without_graph_breaks() -> None:
     def attention(q, k, v):  # type: ignore[no-untyped-def]
         return attention_forward(module, q, k, v, None, scaling=8**-0.5)[0]
 
-    attention(q, k, v)
+    torch.compiler.reset()
+    first = torch.compile(attention, backend="aot_eager")(q, k, v)  # draws the map
+    torch.testing.assert_close(first, attention(q, k, v), rtol=0, atol=0)
     explained = torch._dynamo.explain(attention)(q, k, v)
     assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
 
@@ -293,3 +294,26 @@ def test_biases_and_other_masks_are_refused() -> None:
     window = _masks(True) & ~torch.ones(5, 5, dtype=torch.bool).tril(-3)
     with pytest.raises(ValueError, match="must be a padding mask, optionally causal"):
         key_mask_from(window, 5, 5)
+
+
+def test_masks_under_torch_compile_are_asserted_in_the_graph() -> None:
+    """Compiled with the module's causality given, the mask's values are not read while
+    tracing (one graph) but asserted when the graph runs: the same key mask as eagerly,
+    and biases, other patterns or a causal mask for a module that is not causal fail."""
+    for causal in (False, True):
+
+        def keys(mask, causal=causal):  # type: ignore[no-untyped-def]
+            return key_mask_from(mask, 5, 5, causal=causal)[0]
+
+        keep = _masks(causal)
+        additive = torch.zeros(keep.shape).masked_fill(~keep, -torch.inf)
+        assert torch._dynamo.explain(keys)(additive).graph_break_count == 0
+        compiled = torch.compile(keys, fullgraph=True, backend="aot_eager")
+        for mask in (keep, additive):
+            assert torch.equal(compiled(mask), key_mask_from(mask, 5, 5)[0])
+        with pytest.raises(RuntimeError, match="must be a padding mask, optionally causal"):
+            compiled(_masks(not causal))  # causal exactly when the module is
+        with pytest.raises(RuntimeError, match="must be a padding mask, optionally causal"):
+            compiled(_masks(True) & ~torch.ones(5, 5, dtype=torch.bool).tril(-3))
+        with pytest.raises(RuntimeError, match="cannot add attention biases"):
+            compiled(-torch.arange(5.0).expand(2, 1, 5, 5))

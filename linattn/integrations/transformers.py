@@ -18,6 +18,7 @@ derived per row from the mask (``exact_keys="special"``: ``[CLS]`` and ``[SEP]``
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -250,7 +251,9 @@ def attention_forward(
     if layer is not None and attention_mask is not None:
         # The mask covers the cached keys too; the state already holds them, masked.
         attention_mask = attention_mask[..., -key.shape[-2] :]
-    key_mask, mask_causal = key_mask_from(attention_mask, query.shape[-2], key.shape[-2])
+    key_mask, mask_causal = key_mask_from(
+        attention_mask, query.shape[-2], key.shape[-2], causal=causal or layer is not None
+    )
     causal = causal or mask_causal or layer is not None
     exact_key_mask = _exact_keys(settings, key_mask, key, causal, module)
     capture = capture_hook()  # inside convert: exact attention, or a layer's capture
@@ -271,7 +274,7 @@ def attention_forward(
         )
     q, k, v, grouped_mask, ungroup = grouped(query, key, value, key_mask)
     if feature_map is not None and q.ndim > query.ndim:  # per-head parameters: grouped too
-        feature_map = feature_map.grouped(int(q.shape[-3]))
+        feature_map = _grouped_map(module, feature_map, int(q.shape[-3]))
     if exact_key_mask is not None:  # shaped like the key mask, grouped alike
         exact_key_mask = grouped(query, key, value, exact_key_mask)[3]
     options: dict[str, Any] = {
@@ -322,8 +325,22 @@ def special_keys(key_mask: torch.Tensor) -> torch.Tensor:
     return ((positions == first) | (positions == last)) & key_mask
 
 
+_BIASES = (
+    "attention_mask must hold only 0 and -inf (or the dtype's minimum): linattn cannot add "
+    "attention biases (ALiBi, T5 relative positions); got other values"
+)
+_PATTERN = (
+    "attention_mask must be a padding mask, optionally causal: linattn cannot apply other "
+    "4-D masks (sliding windows, block patterns, packed sequences); got one"
+)
+
+
 def key_mask_from(
-    attention_mask: torch.Tensor | None, query_length: int, key_length: int
+    attention_mask: torch.Tensor | None,
+    query_length: int,
+    key_length: int,
+    *,
+    causal: bool | None = None,
 ) -> tuple[torch.Tensor | None, bool]:
     """``(key_mask (B, 1, L_k) True = keep, causal)`` from the mask transformers passes.
 
@@ -331,6 +348,12 @@ def key_mask_from(
     ``L_k`` columns are the new keys').  4-D ``(B, 1, L_q, L_k)`` masks, boolean (True
     keep) or additive (0 keep, ``-inf`` or the dtype's minimum masked), must be padding
     and optionally causal; anything else (ALiBi or T5 biases, other patterns) raises.
+
+    Under ``torch.compile`` with ``causal`` (the module's own flag) given, the mask's
+    values are not read while tracing (each read would split the graph): the mask is
+    asserted on its device, when the graph runs (``torch._assert_async``: a
+    ``RuntimeError`` with the same message), to be padding, causal exactly when
+    ``causal`` is.
     """
     if attention_mask is None:
         return None, False
@@ -341,16 +364,17 @@ def key_mask_from(
             f"attention_mask must be 2-D (B, L) or 4-D (B, 1, L_q, L_k); got shape "
             f"{tuple(attention_mask.shape)}"
         )
+    traced = causal is not None and torch.compiler.is_compiling()
     if attention_mask.dtype == torch.bool:
         keep = attention_mask
     else:
         lowest = torch.finfo(attention_mask.dtype).min
         masked = (attention_mask == lowest) | torch.isneginf(attention_mask)
-        if bool(((attention_mask != 0) & ~masked).any()):
-            raise ValueError(
-                "attention_mask must hold only 0 and -inf (or the dtype's minimum): linattn "
-                "cannot add attention biases (ALiBi, T5 relative positions); got other values"
-            )
+        biased = ((attention_mask != 0) & ~masked).any()
+        if traced:
+            torch._assert_async(~biased, _BIASES)
+        elif bool(biased):
+            raise ValueError(_BIASES)
         keep = ~masked
     if keep.shape[1] != 1 or keep.shape[-2:] != (query_length, key_length):
         raise ValueError(
@@ -360,16 +384,20 @@ def key_mask_from(
     padding = keep.any(dim=-2)  # (B, 1, L_k): keys some query sees
     below = torch.ones(query_length, key_length, dtype=torch.bool, device=keep.device)
     below = below.tril(key_length - query_length)
-    for causal in (False, True):
+    rows = keep.any(dim=-1, keepdim=True)  # queries that see nothing may hold anything
+
+    def matches(causal: bool) -> torch.Tensor:
         pattern = padding[:, :, None, :] & (below if causal else True)
-        # Queries that see nothing (padding rows) may hold anything.
-        rows = keep.any(dim=-1, keepdim=True)
-        if torch.equal(keep & rows, pattern & rows):
-            return padding, causal
-    raise ValueError(
-        "attention_mask must be a padding mask, optionally causal: linattn cannot apply "
-        "other 4-D masks (sliding windows, block patterns, packed sequences); got one"
-    )
+        return ((keep & rows) == (pattern & rows)).all()
+
+    if traced:
+        torch._assert_async(matches(bool(causal)), f"{_PATTERN} (under torch.compile: "
+                            f"causal exactly when the module is, is_causal={causal})")  # fmt: skip
+        return padding, bool(causal)
+    for pattern_causal in (False, True):
+        if bool(matches(pattern_causal)):
+            return padding, pattern_causal
+    raise ValueError(_PATTERN)
 
 
 class _StateLayer(DynamicLayer):
@@ -487,13 +515,15 @@ def _feature_map(
 
     A fitted map (:func:`convert`, :func:`load_fitted`, or the file
     ``config.linattn["fitted"]`` names, read on the module's first call) comes first.
+    A map is read or drawn on the module's first call only, outside ``torch.compile``'s
+    graph (a model compiled before any eager call splits its graph there once).
     """
     fitted: FeatureMap | None = module.__dict__.get(FITTED)
     if fitted is None and settings.get("fitted") is not None:
-        fitted = map_from_file(module, settings["fitted"], settings)
+        fitted = _untraced(map_from_file)(module, settings["fitted"], settings)
     if fitted is not None:
         expected = head_dim**-0.5 if scaling is None else scaling
-        if fitted.head_dim != head_dim or not np.isclose(fitted.scale, expected, rtol=1e-6):
+        if fitted.head_dim != head_dim or not math.isclose(fitted.scale, expected, rel_tol=1e-6):
             raise ValueError(
                 f"the fitted map of {type(module).__name__} was fitted for head_dim "
                 f"{fitted.head_dim} and scale {fitted.scale}; this call has head_dim "
@@ -510,6 +540,18 @@ def _feature_map(
     if cached is not None and cached[0] == key:
         kept: FeatureMap = cached[1]
         return kept
+    return _untraced(_draw)(module, key, settings, head_dim, scaling, causal)
+
+
+def _draw(
+    module: torch.nn.Module,
+    key: tuple[Any, ...],
+    settings: dict[str, Any],
+    head_dim: int,
+    scaling: float | None,
+    causal: bool,
+) -> FeatureMap:
+    """The module's random map, drawn and kept on it under ``key``."""
     kind = settings["kind"] or ("hyperbolic" if causal else "hyperbolic_oprf")
     feature_map = FeatureMap(
         head_dim,
@@ -521,6 +563,34 @@ def _feature_map(
     )
     module.__dict__["_linattn_feature_map"] = (key, feature_map)
     return feature_map
+
+
+def _untraced(function: Callable[..., FeatureMap]) -> Callable[..., FeatureMap]:
+    """``function`` run eagerly even inside ``torch.compile``: it makes host arrays
+    (a map's draw or file), which a trace cannot hold."""
+    untraced: Callable[..., FeatureMap] = torch.compiler.disable(function)
+    return untraced
+
+
+#: Where an attention module keeps its map grouped for grouped-query heads.
+GROUPED = "_linattn_grouped_map"
+
+
+def _grouped_map(module: torch.nn.Module, feature_map: FeatureMap, group: int) -> FeatureMap:
+    """``feature_map.grouped(group)`` (grouped-query heads), kept on the module: the
+    host arrays are made on the module's first call only, outside ``torch.compile``'s
+    graph (a model compiled before any eager call splits its graph there once)."""
+    cached = module.__dict__.get(GROUPED)
+    if cached is not None and cached[0] is feature_map and cached[1] == group:
+        kept: FeatureMap = cached[2]
+        return kept
+    return _untraced(_group_and_keep)(module, feature_map, group)
+
+
+def _group_and_keep(module: torch.nn.Module, feature_map: FeatureMap, group: int) -> FeatureMap:
+    grouped_map = feature_map.grouped(group)
+    module.__dict__[GROUPED] = (feature_map, group, grouped_map)
+    return grouped_map
 
 
 def _layer_index(module: torch.nn.Module) -> int:
