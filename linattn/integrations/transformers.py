@@ -516,7 +516,7 @@ def _feature_map(
     A fitted map (:func:`convert`, :func:`load_fitted`, or the file
     ``config.linattn["fitted"]`` names, read on the module's first call) comes first.
     A map is read or drawn on the module's first call only, outside ``torch.compile``'s
-    graph (a model compiled before any eager call splits its graph there once).
+    graph (a model compiled before any eager call keeps a graph break there).
     """
     fitted: FeatureMap | None = module.__dict__.get(FITTED)
     if fitted is None and settings.get("fitted") is not None:
@@ -579,7 +579,7 @@ GROUPED = "_linattn_grouped_map"
 def _grouped_map(module: torch.nn.Module, feature_map: FeatureMap, group: int) -> FeatureMap:
     """``feature_map.grouped(group)`` (grouped-query heads), kept on the module: the
     host arrays are made on the module's first call only, outside ``torch.compile``'s
-    graph (a model compiled before any eager call splits its graph there once)."""
+    graph (a model compiled before any eager call keeps a graph break there)."""
     cached = module.__dict__.get(GROUPED)
     if cached is not None and cached[0] is feature_map and cached[1] == group:
         kept: FeatureMap = cached[2]
