@@ -37,6 +37,7 @@ from linattn._xp import (
     namespace_of,
     softmax,
     stop_gradient,
+    untraced,
 )
 from linattn.features import FeatureMap
 from linattn.fitted import check_values, log_softmax_pairs
@@ -112,23 +113,32 @@ def check_dense_call(
     present = {name: x for name, x in parameters.items() if x is not None}
     key = _structure(q, k, v, present, tied, scale, options)
     if key is None or key not in _CHECKED:
-        stand_ins = {
-            name: namespace_of({name: x}).zeros_like(x) if is_array(x) else np.zeros(np.shape(x))
-            for name, x in present.items()
-        }
-        stand_in = FeatureMap.fitted(
-            stand_ins.pop("query_weight", None), **stand_ins, tied=tied, scale=scale
-        )
-        check_call(q, k, v, stand_in, options)
-        if key is not None:
-            if len(_CHECKED) >= _CHECKED_MAX:
-                _CHECKED.clear()
-            _CHECKED[key] = None
+        untraced(_check_structure, q, k, v, present, tied, scale, options, key)
     for name, x in present.items():
         if is_array(x):
             check_values(namespace_of({name: x}), name, x)
         else:
             check_values(np, name, np.asarray(x, dtype=np.float64))
+
+
+def _check_structure(
+    q: Any, k: Any, v: Any, parameters: Mapping[str, Any], tied: bool, scale: float | None,
+    options: dict[str, Any], key: Hashable | None,
+) -> None:  # fmt: skip
+    """:func:`check_call` on a stand-in map of zeros of the parameters' shapes; the
+    structure remembered under ``key`` once it passes."""
+    stand_ins = {
+        name: namespace_of({name: x}).zeros_like(x) if is_array(x) else np.zeros(np.shape(x))
+        for name, x in parameters.items()
+    }
+    stand_in = FeatureMap.fitted(
+        stand_ins.pop("query_weight", None), **stand_ins, tied=tied, scale=scale
+    )
+    check_call(q, k, v, stand_in, options)
+    if key is not None:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[key] = None
 
 
 def _structure(

@@ -14,14 +14,15 @@ leave every other library to ``array_api_compat``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Collection, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
 
 import array_api_compat
 import numpy as np
 
 Array = Any
 Namespace = Any
+_T = TypeVar("_T")
 
 __all__ = [
     "Array",
@@ -46,9 +47,11 @@ __all__ = [
     "is_traced",
     "library_name",
     "namespace_of",
+    "require",
     "safe_shift",
     "stop_gradient",
     "to_host",
+    "untraced",
 ]
 
 
@@ -310,3 +313,43 @@ def is_traced(x: object) -> bool:
     import jax
 
     return isinstance(x, jax.core.Tracer)
+
+
+def require(
+    xp: Namespace, condition: Array, message: str, got: Callable[[], Array] | None = None
+) -> None:
+    """``ValueError(message)`` unless the 0-d boolean array ``condition`` is true, the
+    values ``got()`` returns appended (``"; got [...]"``).
+
+    Inside ``torch.compile``'s trace the value is unknown until the graph runs, and
+    reading it would split the graph: the condition is asserted on its device instead
+    (``torch._assert_async``: a ``RuntimeError`` with ``message`` when the graph runs).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> g = np.array([0.5, -1.0])
+    >>> require(np, np.all(g >= 0), "far_weight must be non-negative", lambda: g)
+    Traceback (most recent call last):
+    ...
+    ValueError: far_weight must be non-negative; got [0.5, -1.0]
+    """
+    if is_torch_namespace(xp):
+        import torch
+
+        if torch.compiler.is_compiling():
+            torch._assert_async(condition, message)
+            return
+    if not bool(condition):
+        raise ValueError(message if got is None else f"{message}; got {to_host(got()).tolist()}")
+
+
+def untraced(function: Callable[..., _T], /, *args: Any) -> _T:
+    """``function(*args)``, run eagerly even inside ``torch.compile``'s trace: host work
+    (drawing or reading a map, checking a call on stand-ins) that a trace cannot hold.
+    Inside a trace this is a graph break; callers keep its result so that later calls
+    (and later traces) skip it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        return torch.compiler.disable(function)(*args)  # type: ignore[no-any-return]
+    return function(*args)

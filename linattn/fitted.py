@@ -38,6 +38,7 @@ from linattn._xp import (
     from_host,
     is_array,
     log_softmax,
+    require,
     to_host,
 )
 
@@ -119,10 +120,9 @@ def check_values(xp: Namespace, name: str, value: Array) -> None:
     ...
     ValueError: far_weight must be non-negative; got [0.5, -1.0]
     """
-    if not bool(xp.all(xp.isfinite(value))):
-        raise ValueError(f"{name} must be finite; got NaN or infinite values")
-    if name == "far_weight" and bool(xp.any(value < 0)):
-        raise ValueError(f"far_weight must be non-negative; got {to_host(value).tolist()}")
+    require(xp, xp.all(xp.isfinite(value)), f"{name} must be finite; got NaN or infinite values")
+    if name == "far_weight":
+        require(xp, xp.all(value >= 0), "far_weight must be non-negative", lambda: value)
 
 
 def _host(name: str, value: Any) -> np.ndarray:

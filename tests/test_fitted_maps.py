@@ -731,6 +731,39 @@ def test_dense_form_checks_a_structure_once_and_values_every_call(monkeypatch) -
         fitted_attention(q[:, :1], k[:, :1], v[:, :1], **tensors, tied=True, **HYBRID)
 
 
+def test_torch_fitted_attention_compiles_in_one_graph() -> None:
+    """``torch.compile`` of the dense form: compiled before any eager call it equals the
+    eager call, gradients included; once its structure is checked the call is one graph,
+    and the parameters' values are asserted when the graph runs."""
+    torch = pytest.importorskip("torch")
+    from linattn import _fitted_call
+    from linattn.torch import fitted_attention
+
+    rng = np.random.default_rng(19)
+    q, k, v = (torch.tensor(a) for a in _inputs(rng, 2, 2, length=5))
+    w = torch.tensor(rng.normal(size=(2, D, N // 2)), requires_grad=True)
+    g = torch.tensor([0.5, 1.5])
+
+    def call(w, g):  # type: ignore[no-untyped-def]
+        return fitted_attention(q, k, v, w, tied=True, far_weight=g, **HYBRID)
+
+    torch.compiler.reset()
+    _fitted_call._CHECKED.clear()
+    compiled = torch.compile(call, backend="aot_eager")(w, g)  # the structure: untraced
+    (d_compiled,) = torch.autograd.grad(compiled.sum(), w)
+    eager = call(w, g)
+    (d_eager,) = torch.autograd.grad(eager.sum(), w)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-14)
+    torch.testing.assert_close(d_compiled, d_eager, rtol=0, atol=1e-14)
+    explained = torch._dynamo.explain(call)(w, g)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    one_graph = torch.compile(call, fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="far_weight must be non-negative"):
+        one_graph(w, torch.tensor([0.5, -1.0]))
+    with pytest.raises(RuntimeError, match="query_weight must be finite"):
+        one_graph(w.detach() * math.inf, g)
+
+
 @pytest.mark.needs("jax")
 def test_jax_fitted_attention_differentiates_the_parameters() -> None:
     """``linattn.jax.fitted_attention``: ``jax.grad`` (eager and under ``jax.jit``) in q,

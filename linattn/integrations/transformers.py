@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from linattn._gqa import grouped
+from linattn._xp import untraced
 from linattn.attention import linear_attention
 from linattn.features import KINDS, SOFTMAX_KINDS, FeatureMap
 from linattn.hybrid.build import check_exact_parts
@@ -520,7 +521,7 @@ def _feature_map(
     """
     fitted: FeatureMap | None = module.__dict__.get(FITTED)
     if fitted is None and settings.get("fitted") is not None:
-        fitted = _untraced(map_from_file)(module, settings["fitted"], settings)
+        fitted = untraced(map_from_file, module, settings["fitted"], settings)
     if fitted is not None:
         expected = head_dim**-0.5 if scaling is None else scaling
         if fitted.head_dim != head_dim or not math.isclose(fitted.scale, expected, rel_tol=1e-6):
@@ -540,7 +541,7 @@ def _feature_map(
     if cached is not None and cached[0] == key:
         kept: FeatureMap = cached[1]
         return kept
-    return _untraced(_draw)(module, key, settings, head_dim, scaling, causal)
+    return untraced(_draw, module, key, settings, head_dim, scaling, causal)
 
 
 def _draw(
@@ -565,13 +566,6 @@ def _draw(
     return feature_map
 
 
-def _untraced(function: Callable[..., FeatureMap]) -> Callable[..., FeatureMap]:
-    """``function`` run eagerly even inside ``torch.compile``: it makes host arrays
-    (a map's draw or file), which a trace cannot hold."""
-    untraced: Callable[..., FeatureMap] = torch.compiler.disable(function)
-    return untraced
-
-
 #: Where an attention module keeps its map grouped for grouped-query heads.
 GROUPED = "_linattn_grouped_map"
 
@@ -584,7 +578,7 @@ def _grouped_map(module: torch.nn.Module, feature_map: FeatureMap, group: int) -
     if cached is not None and cached[0] is feature_map and cached[1] == group:
         kept: FeatureMap = cached[2]
         return kept
-    return _untraced(_group_and_keep)(module, feature_map, group)
+    return untraced(_group_and_keep, module, feature_map, group)
 
 
 def _group_and_keep(module: torch.nn.Module, feature_map: FeatureMap, group: int) -> FeatureMap:
