@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from linattn._gqa import grouped
-from linattn._xp import untraced
+from linattn._xp import namespace_of, require, untraced
 from linattn.attention import linear_attention
 from linattn.features import KINDS, SOFTMAX_KINDS, FeatureMap
 from linattn.hybrid.build import check_exact_parts
@@ -326,6 +326,8 @@ def special_keys(key_mask: torch.Tensor) -> torch.Tensor:
     return ((positions == first) | (positions == last)) & key_mask
 
 
+#: torch's array namespace (for :func:`linattn._xp.require`).
+_TORCH = namespace_of({"mask": torch.zeros(())})
 _BIASES = (
     "attention_mask must hold only 0 and -inf (or the dtype's minimum): linattn cannot add "
     "attention biases (ALiBi, T5 relative positions); got other values"
@@ -371,11 +373,7 @@ def key_mask_from(
     else:
         lowest = torch.finfo(attention_mask.dtype).min
         masked = (attention_mask == lowest) | torch.isneginf(attention_mask)
-        biased = ((attention_mask != 0) & ~masked).any()
-        if traced:
-            torch._assert_async(~biased, _BIASES)
-        elif bool(biased):
-            raise ValueError(_BIASES)
+        require(_TORCH, ~((attention_mask != 0) & ~masked).any(), _BIASES)
         keep = ~masked
     if keep.shape[1] != 1 or keep.shape[-2:] != (query_length, key_length):
         raise ValueError(
@@ -391,9 +389,9 @@ def key_mask_from(
         pattern = padding[:, :, None, :] & (below if causal else True)
         return ((keep & rows) == (pattern & rows)).all()
 
-    if traced:
-        torch._assert_async(matches(bool(causal)), f"{_PATTERN} (under torch.compile: "
-                            f"causal exactly when the module is, is_causal={causal})")  # fmt: skip
+    if traced:  # (require asserts: the pattern is the module's)
+        module_rule = f" (under torch.compile: causal exactly when the module is, {causal=})"
+        require(_TORCH, matches(bool(causal)), _PATTERN + module_rule)
         return padding, bool(causal)
     for pattern_causal in (False, True):
         if bool(matches(pattern_causal)):
