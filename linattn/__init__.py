@@ -7,7 +7,12 @@ arrays and return the caller's array type on the caller's device.
 from linattn import _jax
 from linattn._dispatch import Plan, causal_plan
 from linattn._plan import AttentionPlan, plan_attention
-from linattn.attention import favor_attention, linear_attention, softmax_attention
+from linattn.attention import (
+    favor_attention,
+    linear_attention,
+    softmax_attention,
+    with_exact_heads,
+)
 from linattn.features import KINDS, FeatureMap
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState, combine
@@ -27,6 +32,7 @@ __all__ = [
     "linear_attention_vjp",
     "plan_attention",
     "softmax_attention",
+    "with_exact_heads",
 ]
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ which chooses the executor that checks and runs it before anything is computed.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal, overload
 
 import numpy as np
@@ -17,11 +18,18 @@ from linattn import _dispatch, _plan
 from linattn._call import drop_masked_keys, grouped_inputs, normalise_call
 from linattn._checks import check_attention_inputs, check_scale
 from linattn._dispatch import Backend
-from linattn._xp import Array, compute_dtype, constant, from_host
+from linattn._xp import (
+    Array,
+    array_device,
+    compute_dtype,
+    constant,
+    from_host,
+    namespace_of,
+)
 from linattn.features import FeatureMap, Kind
 from linattn.state import LinearAttentionState
 
-__all__ = ["favor_attention", "linear_attention", "softmax_attention"]
+__all__ = ["favor_attention", "linear_attention", "softmax_attention", "with_exact_heads"]
 
 DEFAULT_CHUNK_SIZE = _dispatch.DEFAULT_CHUNK_SIZE
 
@@ -91,6 +99,104 @@ def softmax_attention(
     den = xp.sum(weights, axis=-1, keepdims=True)
     den = xp.where(den == 0, constant(xp, 1.0, den), den)
     return xp.astype(xp.matmul(weights / den, v), info.dtype, copy=False)
+
+
+def with_exact_heads(
+    out: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    heads: Sequence[int],
+    /,
+    *,
+    causal: bool = False,
+    key_mask: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """``out`` with the query heads ``heads`` replaced by exact softmax attention.
+
+    A converted model's *exact heads* (``exact_heads=`` of its conversion; DuoAttention's
+    retrieval heads) attend to every key exactly while the other heads run the fitted
+    hybrid: call :func:`linear_attention` for all heads, then this.  Only the listed
+    heads are computed (:func:`softmax_attention`; query head ``h`` reads key head ``h //
+    (H / H_kv)``); a query that sees no key gets zeros, as the hybrid gives it.
+
+    Parameters
+    ----------
+    out : array, shape ``(..., H, L_q, d_v)``
+        The attention output of every head (e.g. :func:`linear_attention`'s).
+    q, k, v : arrays
+        The call's inputs: ``(..., H, L_q, d)``, ``(..., H_kv, L_k, d)`` and ``(...,
+        H_kv, L_k, d_v)``, ``H_kv`` dividing ``H``.
+    heads : sequence of int
+        Query heads, each in ``[0, H)``, no repeats; empty returns ``out`` itself.
+    causal, key_mask, scale
+        As for :func:`softmax_attention` (``key_mask`` ``(..., L_k)`` or with a key-head
+        axis ``(..., H_kv, L_k)``).
+
+    Returns
+    -------
+    array
+        ``out``'s shape, dtype and namespace.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.normal(size=(1, 2, 6, 4)) for _ in range(3))
+    >>> w = np.stack([np.eye(4)] * 2)
+    >>> out = la.linear_attention(q, k, v, la.FeatureMap.fitted(w, tied=True), window=2)
+    >>> out = la.with_exact_heads(out, q, k, v, [1])
+    >>> bool(np.allclose(out[:, 1], la.softmax_attention(q, k, v)[:, 1]))
+    True
+    """
+    for name, x in (("out", out), ("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", 0) < 3:
+            raise ValueError(
+                f"{name} must have a head axis, (..., heads, length, features); got shape "
+                f"{tuple(getattr(x, 'shape', ()))}"
+            )
+    count, kv_count = q.shape[-3], k.shape[-3]
+    if kv_count == 0 or count % kv_count:
+        raise ValueError(f"k's heads ({kv_count}) must divide q's ({count})")
+    expected = (*q.shape[:-1], v.shape[-1])
+    if tuple(out.shape[-3:]) != expected[-3:]:
+        raise ValueError(
+            f"out must have shape (..., {count}, {q.shape[-2]}, {v.shape[-1]}) to match q and "
+            f"v; got {tuple(out.shape)}"
+        )
+    chosen = list(heads)
+    if any(isinstance(h, bool) or not isinstance(h, int | np.integer) for h in chosen) or any(
+        not 0 <= h < count for h in chosen
+    ):
+        raise ValueError(f"heads must be query heads, integers in [0, {count}); got {chosen}")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"heads must not repeat a head; got {chosen}")
+    if not chosen:
+        return out
+    xp = namespace_of({"out": out, "q": q, "k": k, "v": v})
+    device = array_device(q)
+    order = sorted(int(h) for h in chosen)
+    index = xp.asarray(order, device=device)
+    kv_index = xp.asarray([h // (count // kv_count) for h in order], device=device)
+    if key_mask is not None and key_mask.ndim == k.ndim - 1 and key_mask.shape[-2] != 1:
+        key_mask = xp.take(key_mask, kv_index, axis=key_mask.ndim - 2)
+    exact = softmax_attention(
+        xp.take(q, index, axis=q.ndim - 3),
+        xp.take(k, kv_index, axis=k.ndim - 3),
+        xp.take(v, kv_index, axis=v.ndim - 3),
+        causal=causal,
+        key_mask=key_mask,
+        scale=scale,
+    )
+    exact = xp.astype(exact, out.dtype)
+    parts, start = [], 0
+    for position, head in enumerate(order):  # out's heads before, this exact head
+        parts += [out[..., start:head, :, :], exact[..., position : position + 1, :, :]]
+        start = head + 1
+    parts.append(out[..., start:, :, :])
+    return xp.concat(parts, axis=-3)
 
 
 @overload

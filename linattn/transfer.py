@@ -30,7 +30,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -46,10 +46,12 @@ from linattn.features import FeatureMap
 from linattn.fitted import FittedParameters
 
 __all__ = [
+    "EXACT_HEADS_ENTRY",
     "FORMAT",
     "LayerBatch",
     "LayerFit",
     "attention_errors",
+    "exact_heads_of",
     "fit_layer",
     "load_maps",
     "save_maps",
@@ -57,6 +59,9 @@ __all__ = [
 
 #: The ``format`` entry of a fitted-maps file's metadata.
 FORMAT = "linattn-fitted-maps/1"
+#: The options entry of a fitted-maps file that lists each layer's exact heads (query
+#: heads attending to every key exactly: :func:`linattn.with_exact_heads`).
+EXACT_HEADS_ENTRY = "exact_heads_per_layer"
 
 #: A key head keeps its far part only where the fit lowers its relative validation
 #: error (``||out - exact|| / ||exact||``) below window + sinks' by more than this: where
@@ -760,13 +765,35 @@ def save_maps(
     return path
 
 
+def exact_heads_of(options: Mapping[str, Any], num_layers: int) -> list[tuple[int, ...]]:
+    """Each layer's exact heads from a fitted-maps file's options (:func:`load_maps`),
+    ``()`` for every layer where the file lists none.
+
+    Examples
+    --------
+    >>> exact_heads_of({"exact_heads_per_layer": [[2], []]}, 2)
+    [(2,), ()]
+    >>> exact_heads_of({}, 2)
+    [(), ()]
+    """
+    listed = options.get(EXACT_HEADS_ENTRY) or [[]] * num_layers
+    if len(listed) != num_layers:
+        raise ValueError(
+            f"options[{EXACT_HEADS_ENTRY!r}] must list {num_layers} layers; got {len(listed)}"
+        )
+    return [tuple(int(h) for h in heads) for heads in listed]
+
+
 def load_maps(
     path: str | Path, *, model_fingerprint: str | None
 ) -> tuple[list[tuple[FeatureMap | None, np.ndarray | None]], dict[str, Any]]:
     """A model's fitted maps as ``[(feature_map, far_weight) per layer]``, and the options.
 
     Each map goes to :func:`linattn.linear_attention` as it is (its far weight is
-    ``feature_map.parameters.far_weight``, returned for reading).  No refit.
+    ``feature_map.parameters.far_weight``, returned for reading).  No refit.  A model
+    converted with exact heads lists them per layer in the options
+    (:func:`exact_heads_of`): pass each layer's to :func:`linattn.with_exact_heads` after
+    ``linear_attention``.
 
     Raises
     ------

@@ -264,6 +264,50 @@ def test_queries_that_see_no_key_get_zeros(backend: Backend) -> None:
         assert np.all(np.isfinite(result)) and np.abs(result[4:]).min(axis=-1).max() > 0
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_with_exact_heads_replaces_only_those_heads(backend: Backend, causal: bool) -> None:
+    """Heads 3 and 1 of 4 (grouped-query: key heads 1 and 0) become softmax attention by
+    the reference, with a mask per key head and a row without keys (zeros); the others
+    stay bit for bit; no heads returns ``out`` itself."""
+    rng = np.random.default_rng(7)
+    q = rng.normal(size=(2, 4, 5, 3))
+    k, v = rng.normal(size=(2, 2, 5, 3)), rng.normal(size=(2, 2, 5, 2))
+    out = rng.normal(size=(2, 4, 5, 2))
+    mask = np.ones((2, 2, 5), dtype=bool)
+    mask[1, 1, :2] = False  # key head 1 of row 1: left padding
+    args = [backend.asarray(a) for a in (out, q, k, v)]
+    got = backend.to_numpy(
+        la.with_exact_heads(*args, [3, 1], causal=causal, key_mask=backend.asarray(mask))
+    )
+    np.testing.assert_array_equal(got[:, [0, 2]], out[:, [0, 2]])
+    for head, kv_head in ((1, 0), (3, 1)):
+        expected = softmax_reference(
+            q[:, head], k[:, kv_head], v[:, kv_head], causal=causal, key_mask=mask[:, kv_head]
+        )
+        np.testing.assert_allclose(got[:, head], expected, rtol=1e-12, atol=1e-14)
+    if causal:
+        np.testing.assert_array_equal(got[1, 3, :2], 0.0)
+    assert la.with_exact_heads(*args, []) is args[0]
+
+
+def test_with_exact_heads_names_bad_arguments() -> None:
+    out, q = np.zeros((1, 4, 5, 2)), np.zeros((1, 4, 5, 3))
+    k, v = np.zeros((1, 2, 5, 3)), np.zeros((1, 2, 5, 2))
+    for heads, message in (
+        ([4], r"heads must be query heads, integers in \[0, 4\); got \[4\]"),
+        ([True], r"heads must be query heads"),
+        ([1, 1], "heads must not repeat a head; got \\[1, 1\\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            la.with_exact_heads(out, q, k, v, heads)
+    with pytest.raises(ValueError, match=r"out must have shape \(\.\.\., 4, 5, 2\)"):
+        la.with_exact_heads(out[..., :1], q, k, v, [0])
+    with pytest.raises(ValueError, match=r"k's heads \(3\) must divide q's \(4\)"):
+        la.with_exact_heads(out, q, np.zeros((1, 3, 5, 3)), np.zeros((1, 3, 5, 2)), [0])
+    with pytest.raises(ValueError, match="q must have a head axis"):
+        la.with_exact_heads(out, q[0, 0], k, v, [0])
+
+
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("d", [16, 64])
 def test_large_norms_stay_finite_in_float32(backend: Backend, kind: str, d: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import linattn as la
 from linattn import fitted, transfer
-from linattn.transfer import LayerBatch, fit_layer
+from linattn.transfer import LayerBatch, exact_heads_of, fit_layer, load_maps
 
 RNG = np.random.default_rng(0)
 D, M, L = 4, 8, 10
@@ -240,8 +240,10 @@ def test_exact_heads_of_a_converted_bert(tmp_path) -> None:  # type: ignore[no-u
         np.delete(got, h, axis=1), np.delete(plain.attention(q, k, v, mask, 0), h, axis=1)
     )
     embeddings = encoder.encode(ids, mask, one.attention)
-    loaded = attention_from_file(save_fitted(tmp_path / "fitted.safetensors", one), encoder)
+    path = save_fitted(tmp_path / "fitted.safetensors", one)
+    loaded = attention_from_file(path, encoder)
     assert loaded.exact_heads == heads
+    assert exact_heads_of(load_maps(path, model_fingerprint=None)[1], 2) == heads  # direct use
     np.testing.assert_array_equal(encoder.encode(ids, mask, loaded), embeddings)
     resumed = convert_encoder(
         encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], exact_heads=1, checkpoint=checkpoint,

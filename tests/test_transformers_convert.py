@@ -25,6 +25,7 @@ from linattn.integrations.transformers_convert import (  # noqa: E402
     model_fingerprint,
 )
 from linattn.torch import fitted_attention  # noqa: E402
+from linattn.transfer import exact_heads_of, load_maps, save_maps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 VOCAB, L, WINDOW, SINKS = 50, 20, 3, 1
@@ -514,10 +515,10 @@ def _softmax_heads(q, k, v, mask, causal, scale):  # type: ignore[no-untyped-def
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_with_exact_heads_replaces_those_heads_by_softmax_attention(causal: bool) -> None:
+def test_splice_exact_heads_replaces_those_heads_by_softmax_attention(causal: bool) -> None:
     """Only the exact heads change, to softmax attention over real keys (grouped-query:
     query head h reads key head h // 2); a row without keys gets zeros."""
-    from linattn.integrations.transformers_convert import EXACT_HEADS, with_exact_heads
+    from linattn.integrations.transformers_convert import EXACT_HEADS, splice_exact_heads
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 5, 3, generator=gen, dtype=torch.float64)
@@ -526,9 +527,9 @@ def test_with_exact_heads_replaces_those_heads_by_softmax_attention(causal: bool
     mask[1, :2] = False  # left padding: row 1's first queries see no key when causal
     out = torch.randn(2, 4, 5, 3, generator=gen, dtype=torch.float64)
     module = torch.nn.Module()
-    assert with_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5) is out
+    assert splice_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5) is out
     module.__dict__[EXACT_HEADS] = (1, 2)
-    got = with_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5)
+    got = splice_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5)
     torch.testing.assert_close(got[:, [0, 3]], out[:, [0, 3]], rtol=0, atol=0)
     expected = _softmax_heads(q[:, [1, 2]], k[:, [0, 1]], v[:, [0, 1]], mask, causal, 0.5)
     torch.testing.assert_close(got[:, [1, 2]], expected)
@@ -584,6 +585,21 @@ def test_exact_heads_are_the_worst_fitted_and_survive_saving(tmp_path) -> None: 
     torch.testing.assert_close(refined_form[rows].float(), own[rows], rtol=1e-4, atol=1e-5)
 
     path = save_fitted(model, tmp_path / "maps.safetensors")
+    assert exact_heads_of(load_maps(path, model_fingerprint=None)[1], 2) == [
+        tuple(h) for h in worst
+    ]  # what a direct user of the file reads (linattn.with_exact_heads)
+    layers, options = load_maps(path, model_fingerprint=None)  # a file of stop 34's layout:
+    heads_entry = options.pop("exact_heads_per_layer")  # the heads in the modules' entries
+    for entry, heads in zip(options["modules"], heads_entry, strict=True):
+        entry["exact_heads"] = heads
+    legacy = save_maps(
+        tmp_path / "legacy.safetensors", [fm for fm, _ in layers],
+        model_fingerprint=model_fingerprint(model), options=options,
+    )  # fmt: skip
+    fresh_modules = [
+        m for m in load_fitted(_llama(), legacy).modules() if EXACT_HEADS in m.__dict__
+    ]
+    assert [list(m.__dict__[EXACT_HEADS]) for m in fresh_modules] == worst
     fresh = load_fitted(_llama(), path)
     fresh_modules = [m for m in fresh.modules() if "_linattn_fitted" in m.__dict__]
     assert [list(m.__dict__[EXACT_HEADS]) for m in fresh_modules] == worst

@@ -45,7 +45,7 @@ from linattn.integrations.transformers_convert import (
     load_fitted,
     map_from_file,
     save_fitted,
-    with_exact_heads,
+    splice_exact_heads,
 )
 from linattn.integrations.transformers_refine import refine
 from linattn.state import LinearAttentionState
@@ -294,7 +294,8 @@ def attention_forward(
             out = linear_attention(
                 q, k, v, feature_map, causal=causal, key_mask=grouped_mask, **options
             )
-        out = with_exact_heads(module, ungroup(out), query, key, value, key_mask, causal, scaling)
+        out = ungroup(out)
+        out = splice_exact_heads(module, out, query, key, value, key_mask, causal, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -33,12 +33,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.nn import functional
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from linattn.attention import with_exact_heads
 from linattn.features import FeatureMap
-from linattn.transfer import LayerBatch, LayerFit, fit_layer, load_maps, save_maps
+from linattn.transfer import (
+    EXACT_HEADS_ENTRY,
+    LayerBatch,
+    LayerFit,
+    exact_heads_of,
+    fit_layer,
+    load_maps,
+    save_maps,
+)
 
 __all__ = [
     "AttentionCall",
@@ -170,7 +178,7 @@ class _Capture:
         raise _Captured
 
 
-def with_exact_heads(
+def splice_exact_heads(
     module: torch.nn.Module,
     out: torch.Tensor,
     query: torch.Tensor,
@@ -181,27 +189,16 @@ def with_exact_heads(
     scaling: float | None,
 ) -> torch.Tensor:
     """``out`` ``(B, H, L_q, d_v)`` with ``module``'s exact heads (:data:`EXACT_HEADS`)
-    replaced by softmax attention over every real key (causal: every key up to the
-    query), computed for those heads only (query head ``h`` reads key head
-    ``h // (H / H_kv)``); rows without a key get zeros, as the hybrid gives them."""
+    replaced by softmax attention over every real key (:func:`linattn.with_exact_heads`:
+    those heads only, query head ``h`` reading key head ``h // (H / H_kv)``, zeros for
+    rows without a key)."""
     heads = module.__dict__.get(EXACT_HEADS)
     if not heads:
         return out
-    index = torch.tensor(heads, device=out.device)
-    kv_index = index // (query.shape[-3] // key.shape[-3])
-    q = query.index_select(-3, index)
-    k, v = key.index_select(-3, kv_index), value.index_select(-3, kv_index)
-    length_q, length_k = q.shape[-2], k.shape[-2]
-    allowed = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = allowed.tril(length_k - length_q)
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, :, None, :]  # (B, 1, L_q, L_k)
-    has_key = allowed.any(-1, keepdim=True)
-    allowed = allowed | ~has_key  # (a row without keys: any weights, zeroed below)
-    exact = functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
-    exact = torch.where(has_key, exact, torch.zeros((), dtype=exact.dtype, device=exact.device))
-    return out.index_copy(-3, index, exact.to(out.dtype))
+    spliced: torch.Tensor = with_exact_heads(
+        out, query, key, value, heads, causal=causal, key_mask=key_mask, scale=scaling
+    )
+    return spliced
 
 
 def exact_attention(call: AttentionCall) -> torch.Tensor:
@@ -591,14 +588,8 @@ def save_fitted(model: Model, path: str | Path) -> Path:
     rule = settings.get("exact_keys")
     options: dict[str, Any] = {name: settings.get(name) for name in _OPTIONS}
     options["exact_keys"] = "callable" if callable(rule) else rule
-    options["modules"] = [
-        {
-            "name": n,
-            "fingerprint": module_fingerprint(m),
-            "exact_heads": list(m.__dict__.get(EXACT_HEADS, ())),
-        }
-        for n, m in entries
-    ]
+    options["modules"] = [{"name": n, "fingerprint": module_fingerprint(m)} for n, m in entries]
+    options[EXACT_HEADS_ENTRY] = [list(m.__dict__.get(EXACT_HEADS, ())) for _, m in entries]
     options["conversion"] = model.__dict__.get("_linattn_conversion")
     written = save_maps(
         path,
@@ -653,17 +644,26 @@ def load_fitted(
     layers, options = load_maps(path, model_fingerprint=model_fingerprint(model))
     settings = _settings_of(options, exact_keys, path)
     modules = [model.get_submodule(entry["name"]) for entry in options["modules"]]
-    for module, entry, (fm, _) in zip(modules, options["modules"], layers, strict=True):
+    heads = _file_exact_heads(options)
+    for module, module_heads, (fm, _) in zip(modules, heads, layers, strict=True):
         if fm is not None:
             module.__dict__[FITTED] = fm
-        _set_exact_heads(module, entry)
+        _set_exact_heads(module, module_heads)
     model.config.linattn = {**settings, "fitted": str(path)}
     use_linattn(model)
     return model
 
 
-def _set_exact_heads(module: torch.nn.Module, entry: Mapping[str, Any]) -> None:
-    heads = tuple(int(h) for h in entry.get("exact_heads", ()))
+def _file_exact_heads(options: Mapping[str, Any]) -> list[tuple[int, ...]]:
+    """Each module's exact heads from a file's options (files written before
+    :data:`EXACT_HEADS_ENTRY` kept them in the modules' entries)."""
+    entries = options.get("modules", [])
+    if EXACT_HEADS_ENTRY not in options:
+        return [tuple(int(h) for h in entry.get("exact_heads", ())) for entry in entries]
+    return exact_heads_of(options, len(entries))
+
+
+def _set_exact_heads(module: torch.nn.Module, heads: tuple[int, ...]) -> None:
     if heads:
         module.__dict__[EXACT_HEADS] = heads
     else:
@@ -690,9 +690,12 @@ def map_from_file(
         cached = _files.get(key)
         if cached is None or cached[0] != modified:
             layers, options = load_maps(path, model_fingerprint=None)
+            entries = options.get("modules", [])
             table = {
-                entry["fingerprint"]: (fm, entry)
-                for entry, (fm, _) in zip(options.get("modules", []), layers, strict=False)
+                entry["fingerprint"]: (fm, heads)
+                for entry, heads, (fm, _) in zip(
+                    entries, _file_exact_heads(options), layers, strict=False
+                )
                 if fm is not None
             }
             cached = _files[key] = (modified, table, options)
@@ -720,7 +723,7 @@ def map_from_file(
             f"{path} was fitted with exact_keys={fitted_rule!r}; config.linattn has "
             f"exact_keys={rule!r}"
         )
-    fm, entry = found
-    _set_exact_heads(module, entry)
+    fm, heads = found
+    _set_exact_heads(module, heads)
     module.__dict__[FITTED] = fm
     return fm

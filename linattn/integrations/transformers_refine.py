@@ -41,8 +41,8 @@ from linattn.integrations.transformers_convert import (
     model_device,
     restore_state,
     save_state,
+    splice_exact_heads,
     use_linattn,
-    with_exact_heads,
 )
 from linattn.torch import fitted_attention
 
@@ -115,7 +115,7 @@ class _Hook:
             exact_key_mask=call.exact_key_mask, window=self.window, sink_keys=self.sink_keys,
             scale=call.scaling,
         )  # fmt: skip
-        out = with_exact_heads(
+        out = splice_exact_heads(
             call.module, out, call.query.to(dtype), call.key.to(dtype), call.value.to(dtype),
             call.key_mask, call.causal, call.scaling,
         )  # fmt: skip

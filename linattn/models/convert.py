@@ -18,7 +18,7 @@ and the library version (:func:`save_fitted`, :func:`load_fitted`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,15 @@ import numpy as np
 
 import linattn as la
 from linattn.models.bert import BertEncoder, exact_attention
-from linattn.transfer import LayerBatch, LayerFit, fit_layer, load_maps, save_maps
+from linattn.transfer import (
+    EXACT_HEADS_ENTRY,
+    LayerBatch,
+    LayerFit,
+    exact_heads_of,
+    fit_layer,
+    load_maps,
+    save_maps,
+)
 
 __all__ = [
     "ConvertedEncoder",
@@ -120,11 +128,9 @@ class FittedAttention:
             exact_key_mask=exact,
             scale=None if fm is not None else 1.0 / np.sqrt(q.shape[-1]),
         )
-        heads = list(self.exact_heads[layer]) if layer < len(self.exact_heads) else []
-        if heads:
-            out = out.copy()
-            out[:, heads] = exact_attention(q[:, heads], k[:, heads], v[:, heads], key_mask, layer)
-        return out
+        heads = self.exact_heads[layer] if layer < len(self.exact_heads) else ()
+        spliced: np.ndarray = la.with_exact_heads(out, q, k, v, heads, key_mask=mask)
+        return spliced
 
 
 @dataclass
@@ -296,17 +302,8 @@ def convert_encoder(
     return ConvertedEncoder(attention, fits, options, fingerprint)
 
 
-#: Where a fitted-maps file keeps each layer's exact heads (beside the options).
-HEADS_ENTRY = "exact_heads_per_layer"
-
-
 def _with_heads(options: dict[str, Any], attention: FittedAttention) -> dict[str, Any]:
-    return {**options, HEADS_ENTRY: [list(heads) for heads in attention.exact_heads]}
-
-
-def _heads_of(saved: Mapping[str, Any], layers: int) -> list[tuple[int, ...]]:
-    heads = saved.get(HEADS_ENTRY) or [[]] * layers
-    return [tuple(int(h) for h in entry) for entry in heads]
+    return {**options, EXACT_HEADS_ENTRY: [list(heads) for heads in attention.exact_heads]}
 
 
 def _resumed(
@@ -323,7 +320,7 @@ def _resumed(
             f"checkpoint {checkpoint} holds maps fitted with other options ({asked}); "
             f"expected {options}: remove it or pass another path"
         )
-    return [fm for fm, _ in layers], _heads_of(saved, len(layers))
+    return [fm for fm, _ in layers], exact_heads_of(saved, len(layers))
 
 
 def save_fitted(path: str | Path, converted: ConvertedEncoder) -> Path:
@@ -349,5 +346,5 @@ def attention_from_file(path: str | Path, encoder: BertEncoder) -> FittedAttenti
     layers, options = load_fitted(path, encoder)
     return FittedAttention(
         [fm for fm, _ in layers], options["window"], options["sink_keys"], True,
-        _heads_of(options, len(layers)),
+        exact_heads_of(options, len(layers)),
     )  # fmt: skip
