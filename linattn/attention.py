@@ -24,6 +24,7 @@ from linattn._xp import (
     compute_dtype,
     constant,
     from_host,
+    fused_softmax_attention,
     namespace_of,
 )
 from linattn.features import FeatureMap, Kind
@@ -81,7 +82,6 @@ def softmax_attention(
     work = compute_dtype(xp, info.dtype)
     q, k, v = (xp.astype(a, work) for a in (q, k, v))
     k, v = drop_masked_keys(xp, k, v, key_mask)
-    logits = xp.matmul(q, xp.matrix_transpose(k)) * scale
     visible = None
     if causal:
         n = info.query_length
@@ -91,6 +91,10 @@ def softmax_attention(
     if key_mask is not None:
         keys = key_mask[..., None, :]
         visible = keys if visible is None else xp.logical_and(visible, keys)
+    fused = fused_softmax_attention(xp, q, k, v, visible, scale)
+    if fused is not None:
+        return xp.astype(fused, info.dtype, copy=False)
+    logits = xp.matmul(q, xp.matrix_transpose(k)) * scale
     if visible is not None:
         logits = xp.where(visible, logits, constant(xp, -math.inf, logits))
     row_max = xp.max(logits, axis=-1, keepdims=True)
