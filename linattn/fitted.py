@@ -292,7 +292,8 @@ def grouped(p: FittedParameters, group: int, key_heads: int | None = None) -> Fi
     def split(a: np.ndarray, trailing: int, size: int) -> np.ndarray:
         if a.ndim == trailing:
             return a
-        out = a.reshape((a.shape[0] // size, size, *a.shape[1:]))
+        # A copy, not a view: torch.compile cannot hold a view of a host array.
+        out = np.array(a.reshape((a.shape[0] // size, size, *a.shape[1:])))
         out.setflags(write=False)
         return out
 

@@ -105,9 +105,10 @@ def _converted(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_a_saved_converted_model_compiles_in_one_graph(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A converted model loaded with from_pretrained and compiled before any eager call:
-    its first call reads the maps outside the graph and equals the eager model; once
-    read, the whole model is one graph (masks, [CLS]/[SEP] keys, grouped-query heads,
-    an exact head per layer, the hybrid's kernels)."""
+    its first call reads the maps outside the graph and equals the eager model.  On the
+    compiled kernels (linattn[numba]), once read, the whole model is one graph (masks,
+    [CLS]/[SEP] keys, grouped-query heads, an exact head per layer); the portable path
+    counts the exact keys on the host (graph breaks, as on any call)."""
     from linattn.integrations.transformers_convert import EXACT_HEADS, FITTED
 
     model = copy.deepcopy(_converted(name)[0])  # (save_fitted sets its config)
@@ -122,6 +123,8 @@ def test_a_saved_converted_model_compiles_in_one_graph(name: str, tmp_path) -> N
     torch.compiler.reset()
     compiled = _output(torch.compile(loaded, backend="aot_eager"), batch)
     torch.testing.assert_close(compiled, _output(model, batch), rtol=1e-5, atol=1e-6)
+    if la._dispatch.numpy_kernels_why_not() is not None:
+        return
     with torch.no_grad():
         explained = torch._dynamo.explain(loaded)(**batch)
     assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]

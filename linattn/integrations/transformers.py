@@ -520,7 +520,8 @@ def _feature_map(
     """
     fitted: FeatureMap | None = module.__dict__.get(FITTED)
     if fitted is None and settings.get("fitted") is not None:
-        fitted = untraced(map_from_file, module, settings["fitted"], settings)
+        untraced(map_from_file, module, settings["fitted"], settings)  # keeps it on module
+        fitted = module.__dict__[FITTED]  # (read back: a value torch.compile can guard)
     if fitted is not None:
         expected = head_dim**-0.5 if scaling is None else scaling
         if fitted.head_dim != head_dim or not math.isclose(fitted.scale, expected, rel_tol=1e-6):
@@ -540,7 +541,9 @@ def _feature_map(
     if cached is not None and cached[0] == key:
         kept: FeatureMap = cached[1]
         return kept
-    return untraced(_draw, module, key, settings, head_dim, scaling, causal)
+    untraced(_draw, module, key, settings, head_dim, scaling, causal)
+    drawn: FeatureMap = module.__dict__["_linattn_feature_map"][1]  # (read back, as above)
+    return drawn
 
 
 def _draw(
@@ -577,7 +580,9 @@ def _grouped_map(module: torch.nn.Module, feature_map: FeatureMap, group: int) -
     if cached is not None and cached[0] is feature_map and cached[1] == group:
         kept: FeatureMap = cached[2]
         return kept
-    return untraced(_group_and_keep, module, feature_map, group)
+    untraced(_group_and_keep, module, feature_map, group)
+    grouped_map: FeatureMap = module.__dict__[GROUPED][2]  # (read back, as in _feature_map)
+    return grouped_map
 
 
 def _group_and_keep(module: torch.nn.Module, feature_map: FeatureMap, group: int) -> FeatureMap:
