@@ -156,11 +156,11 @@ def dask(session: nox.Session) -> None:
     _test(session, "dask", "dask[array]>=2024.8", "distributed>=2024.8")
 
 
-def _layers(session: nox.Session, tests: tuple[str, ...], *install: str) -> None:
+def _layers(session: nox.Session, tests: tuple[str, ...], *install: str, extras: str = "") -> None:
     """One framework's layer tests; torch first, pinned, where the framework needs it."""
     if any(name.startswith(("torch", "transformers")) for name in install):
         session.install(TORCH)
-    session.install("-e", ".", *TEST, *install)
+    session.install("-e", f".[{extras}]" if extras else ".", *TEST, *install)
     session.run("pytest", *tests, *session.posargs, env={"LINATTN_TEST_BACKENDS": "numpy"})
 
 
@@ -185,9 +185,16 @@ def flax(session: nox.Session) -> None:
 @session
 def transformers(session: nox.Session) -> None:
     """attn_implementation="linattn" on small random BERT and GPT-2 models, and their
-    conversion to fitted maps (BERT, GPT-2, grouped-query Llama)."""
+    conversion to fitted maps (BERT, GPT-2, grouped-query Llama), on the compiled kernels
+    (``linattn[numba]``, what a user installs: the torch-kernels path, one graph under
+    torch.compile); then the compiled models again on the portable path
+    (``LINATTN_BACKEND=array_api``, what runs without numba)."""
     tests = ("tests/test_transformers_integration.py", "tests/test_transformers_convert.py")
-    _layers(session, tests, TORCH, "transformers>=5")
+    _layers(session, tests, TORCH, "transformers>=5", extras="numba")
+    session.run(
+        "pytest", "tests/test_transformers_convert.py", "-k", "compiles", *session.posargs,
+        env={"LINATTN_TEST_BACKENDS": "numpy", "LINATTN_BACKEND": "array_api"},
+    )  # fmt: skip
     session.run("pytest", "--doctest-modules", "linattn/integrations")
 
 
