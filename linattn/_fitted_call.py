@@ -148,20 +148,22 @@ def _structure(
     """What :func:`check_call`'s verdict depends on, hashable; None where an argument is
     neither an array nor a hashable value (then the call is checked in full)."""
 
-    def signature(x: Any) -> Hashable:
+    def signature(x: Any, value: bool) -> Hashable:
         if is_array(x):
             return (type(x), tuple(x.shape), str(x.dtype), str(array_device(x)))
+        if not value:  # a parameter given as a number or list: its values are checked apart
+            return (type(x), np.shape(x))
         hash(x)
-        return (type(x), x) if not isinstance(x, float) else (float, math.isfinite(x))
+        return (type(x), x)
 
     try:
         return (
-            tuple(signature(x) for x in (q, k, v)),
-            tuple(sorted((name, signature(x)) for name, x in parameters.items())),
+            tuple(signature(x, True) for x in (q, k, v)),
+            tuple(sorted((name, signature(x, False)) for name, x in parameters.items())),
             tied, scale,
-            tuple(sorted((name, signature(x)) for name, x in options.items())),
+            tuple(sorted((name, signature(x, True)) for name, x in options.items())),
         )  # fmt: skip
-    except TypeError:
+    except (TypeError, ValueError):  # unhashable, or a ragged list
         return None
 
 

@@ -164,8 +164,7 @@ def with_exact_heads(
     count, kv_count = q.shape[-3], k.shape[-3]
     if kv_count == 0 or count % kv_count:
         raise ValueError(f"k's heads ({kv_count}) must divide q's ({count})")
-    expected = (*q.shape[:-1], v.shape[-1])
-    if tuple(out.shape[-3:]) != expected[-3:]:
+    if tuple(out.shape[-3:]) != (count, q.shape[-2], v.shape[-1]):
         raise ValueError(
             f"out must have shape (..., {count}, {q.shape[-2]}, {v.shape[-1]}) to match q and "
             f"v; got {tuple(out.shape)}"

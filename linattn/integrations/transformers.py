@@ -327,8 +327,6 @@ def special_keys(key_mask: torch.Tensor) -> torch.Tensor:
     return ((positions == first) | (positions == last)) & key_mask
 
 
-#: torch's array namespace (for :func:`linattn._xp.require`).
-_TORCH = namespace_of({"mask": torch.zeros(())})
 _BIASES = (
     "attention_mask must hold only 0 and -inf (or the dtype's minimum): linattn cannot add "
     "attention biases (ALiBi, T5 relative positions); got other values"
@@ -369,12 +367,13 @@ def key_mask_from(
             f"{tuple(attention_mask.shape)}"
         )
     traced = causal is not None and torch.compiler.is_compiling()
+    xp = namespace_of({"attention_mask": attention_mask})
     if attention_mask.dtype == torch.bool:
         keep = attention_mask
     else:
         lowest = torch.finfo(attention_mask.dtype).min
         masked = (attention_mask == lowest) | torch.isneginf(attention_mask)
-        require(_TORCH, ~((attention_mask != 0) & ~masked).any(), _BIASES)
+        require(xp, ~((attention_mask != 0) & ~masked).any(), _BIASES)
         keep = ~masked
     if keep.shape[1] != 1 or keep.shape[-2:] != (query_length, key_length):
         raise ValueError(
@@ -392,7 +391,7 @@ def key_mask_from(
 
     if traced:  # (require asserts: the pattern is the module's)
         module_rule = f" (under torch.compile: causal exactly when the module is, {causal=})"
-        require(_TORCH, matches(bool(causal)), _PATTERN + module_rule)
+        require(xp, matches(bool(causal)), _PATTERN + module_rule)
         return padding, bool(causal)
     for pattern_causal in (False, True):
         if bool(matches(pattern_causal)):
