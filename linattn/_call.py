@@ -46,10 +46,12 @@ from linattn.state import LinearAttentionState
 __all__ = [
     "EXACT_FINGERPRINT",
     "Call",
+    "CheckedInputs",
     "ExactPartsCall",
     "attend",
     "attention_operands",
     "call_statistics",
+    "check_exact_call",
     "check_num_tokens",
     "check_state",
     "drop_masked_keys",
@@ -275,7 +277,23 @@ class ExactPartsCall(NamedTuple):
     keep: Array
 
 
-def exact_parts_call(
+class CheckedInputs(NamedTuple):
+    """A call with exact parts, checked: its inputs in the working dtype, broadcast to
+    the batch shape (masked keys zeroed), and its options' checked values."""
+
+    info: Any
+    exact: build.ExactParts
+    q: Array
+    k: Array
+    v: Array
+    keep: Array
+    batch: tuple[int, ...]
+    scale: float
+    statistics: Statistics | None
+    chunk_size: int
+
+
+def check_exact_call(
     q: Array,
     k: Array,
     v: Array,
@@ -292,8 +310,8 @@ def exact_parts_call(
     exact_key_mask: Array | None,
     scale: float | None,
     extra: dict[str, Array] | None = None,
-) -> ExactPartsCall:
-    """Check a call with exact parts and build its parts (shared with the VJP)."""
+) -> CheckedInputs:
+    """Check a call with exact parts (every executor of one raises the same errors)."""
     extra = dict(extra or {})
     if state is not None:
         extra.update(state_arrays(state))
@@ -343,37 +361,46 @@ def exact_parts_call(
         keep = xp.ones((*batch, lk), dtype=xp.bool, device=info.device)
     else:
         keep = xp.broadcast_to(key_mask, (*batch, lk))
+    return CheckedInputs(info, exact, q, k, v, keep, batch, scale, statistics, chunk_size)
+
+
+def exact_parts_call(
+    q: Array,
+    k: Array,
+    v: Array,
+    feature_map: FeatureMap | None,
+    *,
+    causal: bool,
+    key_mask: Array | None,
+    state: LinearAttentionState | None,
+    return_state: bool,
+    chunk_size: int | None,
+    plan: _dispatch.Plan,
+    window: int | None,
+    sink_keys: int,
+    exact_key_mask: Array | None,
+    scale: float | None,
+    extra: dict[str, Array] | None = None,
+) -> ExactPartsCall:
+    """Check a call with exact parts and build its parts (shared with the VJP)."""
+    c = check_exact_call(
+        q, k, v, feature_map, causal=causal, key_mask=key_mask, state=state,
+        return_state=return_state, chunk_size=chunk_size, plan=plan, window=window,
+        sink_keys=sink_keys, exact_key_mask=exact_key_mask, scale=scale, extra=extra,
+    )  # fmt: skip
     fields: dict[str, Any] = {}
+    options = {
+        "scale": c.scale, "statistics": c.statistics, "chunk_size": c.chunk_size, "plan": plan
+    }  # fmt: skip
     if causal:
         found, fields = build.causal_parts(
-            xp,
-            q,
-            k,
-            v,
-            keep,
-            exact,
-            feature_map,
-            state,
-            scale=scale,
-            statistics=statistics,
-            chunk_size=chunk_size,
-            plan=plan,
+            c.info.xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, state, **options
         )
     else:
         found = build.bidirectional_parts(
-            xp,
-            q,
-            k,
-            v,
-            keep,
-            exact,
-            feature_map,
-            scale=scale,
-            statistics=statistics,
-            chunk_size=chunk_size,
-            plan=plan,
+            c.info.xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, **options
         )
-    return ExactPartsCall(info, exact, found, fields, batch, keep)
+    return ExactPartsCall(c.info, c.exact, found, fields, c.batch, c.keep)
 
 
 def attention_operands(

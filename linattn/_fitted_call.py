@@ -41,13 +41,13 @@ from linattn._xp import (
 )
 from linattn.features import FeatureMap
 from linattn.fitted import check_values, log_softmax_pairs
+from linattn.hybrid.dense import near_and_far
 
 __all__ = [
     "DENSE_MAX_LENGTH",
     "check_call",
     "check_dense_call",
     "dense_hybrid",
-    "near_and_far",
     "use_dense",
 ]
 
@@ -165,39 +165,6 @@ def _structure(
         )  # fmt: skip
     except (TypeError, ValueError):  # unhashable, or a ragged list
         return None
-
-
-def near_and_far(
-    xp: Namespace,
-    length: int,
-    device: Any,
-    *,
-    causal: bool,
-    window: int | None,
-    sink_keys: int,
-    real: Array | None,
-    exact: Array | None,
-) -> tuple[Array, Array]:
-    """Which keys each of ``length`` queries weighs exactly and which through the map.
-
-    Near keys: the window (``|t - j| < window``), the first ``sink_keys`` keys and the
-    ``exact`` keys; far keys: every other key that is ``real`` (and, ``causal``, not
-    after the query).  ``real`` and ``exact`` are boolean masks broadcasting against
-    ``(..., L_q, L_k)`` (a query axis before the keys'), or None (every key real; no
-    exact keys).  Returns ``(near, far)``, disjoint boolean masks.
-    """
-    t = xp.arange(length, device=device)[:, None]
-    j = xp.arange(length, device=device)[None, :]
-    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
-    near = (j < sink_keys) & seen
-    if window is not None:
-        near = near | (seen & (xp.abs(t - j) < window))
-    if real is None:
-        real = xp.ones((1, length), dtype=xp.bool, device=device)
-    near = near & real
-    if exact is not None:
-        near = near | (exact & real & seen)
-    return near, seen & real & ~near
 
 
 def dense_hybrid(

@@ -26,6 +26,7 @@ from linattn._xp import is_array, is_dask_array
 from linattn.executors import (
     dask_scan,
     decode,
+    dense_hybrid,
     fused_bidirectional,
     fused_causal,
     hybrid_causal_fused,
@@ -37,6 +38,7 @@ from linattn.executors import (
     torch_kernels,
 )
 from linattn.features import FeatureMap
+from linattn.hybrid import dense
 from linattn.state import LinearAttentionState
 
 __all__ = ["AttentionPlan", "Executor", "execute", "plan_attention", "plan_call", "run_call"]
@@ -131,6 +133,36 @@ def _dask_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
 
 def _exact_parts_why_not(call: Call) -> str | None:
     return None if call.exact_parts else "no window, sink keys or exact keys"
+
+
+def _dense_hybrid_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
+    """A short self-attention hybrid with a fitted map on torch CPU tensors, as matrix
+    products (torch's fused attention kernel for the near keys), no gradient asked."""
+    if (why := _exact_parts_why_not(call)) is not None:
+        return why
+    if _asked_backend(call) != "auto":
+        return f"backend={_asked_backend(call)!r}"
+    fm = call.feature_map
+    if fm is None or fm.parameters is None:
+        return "no fitted map (random features keep their scans' per-key stabilisation)"
+    if call.state is not None or call.return_state is not False:
+        return "a state is asked for or continued"
+    arrays = {"q": call.q, "k": call.k, "v": call.v}
+    for name, x in arrays.items():
+        if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
+            return "not torch CPU tensors"
+        if not all(isinstance(n, int) for n in x.shape):
+            return "symbolic shapes (torch.compile with dynamic shapes)"
+        if str(x.dtype).removeprefix("torch.") not in ("float32", "float64"):
+            return f"{name} is {str(x.dtype).removeprefix('torch.')}"
+    length = call.q.shape[-2]
+    if call.k.shape[-2] != length or length > dense.MAX_LENGTH:
+        return f"not self-attention of at most {dense.MAX_LENGTH} tokens"
+    import torch
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values()):
+        return "a gradient is asked (the compiled kernels' backward serves it)"
+    return None
 
 
 def _torch_kernels_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
@@ -250,6 +282,7 @@ def _always(call: Call, scan: _dispatch.Plan) -> str | None:
 EXECUTORS: tuple[tuple[str, Callable[[Call, _dispatch.Plan], str | None], Executor], ...] = (
     ("decode", _decode_why_not, decode.run),
     ("dask-scan", _dask_why_not, dask_scan.run),
+    ("dense-hybrid", _dense_hybrid_why_not, dense_hybrid.run),
     ("torch-kernels", _torch_kernels_why_not, torch_kernels.run),
     ("hybrid-causal-fused", _hybrid_causal_why_not, hybrid_causal_fused.run),
     ("hybrid-window-fused", _hybrid_window_why_not, hybrid_window_fused.run),

@@ -13,6 +13,7 @@ leave every other library to ``array_api_compat``.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ __all__ = [
     "float_dtype",
     "from_host",
     "fused_softmax_attention",
+    "fused_softmax_lse",
     "is_array",
     "is_cupy_array",
     "is_dask_array",
@@ -331,6 +333,33 @@ def fused_softmax_attention(
         scale=scale,  # (such rows: any weights, zeroed)
     )
     return torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def fused_softmax_lse(
+    xp: Namespace, q: Array, k: Array, v: Array, visible: Array, scale: float
+) -> tuple[Array, Array] | None:
+    """``softmax(scale q k^T) v`` over the ``visible`` keys and the log-sum-exp of their
+    logits (a query that sees no key: zeros and ``-inf``), by torch's fused CPU attention
+    kernel, which returns both (``aten::_scaled_dot_product_flash_attention_for_cpu``).
+
+    None where that kernel does not serve: not torch CPU tensors of four axes in float32
+    or float64, all of one shape, or a gradient is asked (the kernel gives none for the
+    log-sum-exp).
+    ``visible`` is boolean, broadcasting against ``(B, H, L_q, L_k)``.
+    """
+    if not is_torch_namespace(xp) or q.device.type != "cpu" or q.ndim != 4:
+        return None
+    import torch
+
+    if q.dtype not in (torch.float32, torch.float64) or not q.shape == k.shape == v.shape:
+        return None
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return None
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bias = torch.where(visible, 0.0, -math.inf).to(q.dtype)
+    out, lse = attention(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    seen = torch.any(visible, dim=-1)  # (the kernel gives such rows zeros and lse 0)
+    return out, torch.where(seen, lse, -math.inf)
 
 
 def is_traced(x: object) -> bool:

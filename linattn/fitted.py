@@ -333,6 +333,15 @@ def projection(xp: Namespace, p: FittedParameters, x: Array, role: object) -> Ar
     return xp.matmul(x, w) + b
 
 
+def pairs_projection(xp: Namespace, p: FittedParameters, x: Array, role: object) -> Array:
+    """``[u, -u]`` of :func:`projection` in one product (by ``[W, -W]``, ``[b, -b]``),
+    shape ``(..., L, m)``: the map's logits, ``phi = softmax([u, -u])``."""
+    w, b = p.role(role)
+    w = _per_head(np.concatenate([w, -w], axis=-1), x, f"{role}_weight", vector=False)
+    b = _per_head(np.concatenate([b, -b], axis=-1), x, f"{role}_bias", vector=True)
+    return xp.matmul(x, _moved(xp, w, x)) + _moved(xp, b, x)
+
+
 def log_far_weight(p: FittedParameters) -> np.ndarray:
     """``log g`` with :data:`ZERO_FAR_LOG` for ``g = 0``."""
     g = p.far_weight

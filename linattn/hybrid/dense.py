@@ -1,0 +1,214 @@
+"""The hybrid of a short self-attention call with a fitted map, as ``L x L`` weights per
+head in matrix products instead of scans (``docs/algorithm.md``, section 17).
+
+Up to a few hundred tokens the hybrid's work is about exact attention's, and its scans
+and banded loops run far below the speed of a matrix product.  Here both parts are
+dense:
+
+- the near keys (window, sinks, exact keys): exact softmax attention over them and its
+  log-sum-exp (torch's fused attention kernel on CPU tensors,
+  :func:`linattn._xp.fused_softmax_lse`; the array API elsewhere);
+- the far keys (every other real key, and, causal, none after the query):
+  ``g phi(q_i) . phi(k_j)`` as one product of the features, the near and hidden keys'
+  entries zeroed, times ``v``; their sum is the far part's mass.
+
+The parts merge as every hybrid's do, at the larger of their two log-scales.  A fitted
+map's features are a softmax (entries in ``[0, 1]``, the largest at least ``1/m``), so
+they need no stabiliser of their own: only ``log g`` is kept apart, in the far part's
+log-scale.  Random maps, whose log-features grow with a key's norm, keep the scans'
+per-key stabilisation.
+
+Which calls run here is :mod:`linattn._plan`'s decision (:data:`MAX_LENGTH`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from linattn import fitted
+from linattn._xp import (
+    Array,
+    Namespace,
+    array_device,
+    constant,
+    fused_softmax_lse,
+    safe_shift,
+    softmax,
+)
+from linattn.features import FeatureMap
+from linattn.hybrid.build import ExactParts
+
+__all__ = ["BLOCK_ELEMENTS", "MAX_LENGTH", "dense_attention", "near_and_far"]
+
+#: The longest self-attention the plan gives the dense form (torch CPU tensors, a fitted
+#: map, no gradient asked).  Measured against the one-pass hybrid kernel, MiniLM's
+#: shape (batch 8, 12 heads, d = 32, m = 64, window 16 + 1 sink + an exact key per row),
+#: one run on this project's 2-core CPU: the kernel took 3.9x / 2.1x / 1.5x / 1.2x the
+#: dense form's time at 128 / 256 / 384 / 512 tokens, 0.9x at 768
+#: (``benchmarks/dense_hybrid_speed.py``); the dense form also holds ``L x L`` weights
+#: per head, in blocks of batch rows (:data:`BLOCK_ELEMENTS`).
+MAX_LENGTH = 512
+
+#: About how many ``L x L`` weights the dense form holds at once: rows of the batch are
+#: computed in blocks of at most this many weights (at least one row), which keeps the
+#: block's weights in cache (4M float32 weights, 16 MiB, was the fastest measured).
+BLOCK_ELEMENTS = 1 << 22
+
+
+def dense_attention(
+    xp: Namespace,
+    q: Array,
+    k: Array,
+    v: Array,
+    key_mask: Array | None,
+    exact: ExactParts,
+    feature_map: FeatureMap | None,
+    *,
+    causal: bool,
+    scale: float,
+) -> Array:
+    """The output of a self-attention hybrid call (a query that sees no key: zeros).
+
+    ``q``, ``k``, ``v`` are broadcast to one batch shape ``(..., L, .)`` (masked keys
+    zeroed, as :func:`linattn._call.check_exact_call` leaves them); ``key_mask``
+    (broadcasting against ``(..., L)``; None: every key) says which keys are real;
+    ``exact`` holds the window, the sinks and the exact keys; ``feature_map`` is a
+    fitted map or None (the near keys alone).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import linattn as la
+    >>> from linattn.hybrid.build import ExactParts
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.normal(size=(2, 6, 4)) for _ in range(3))
+    >>> fm = la.FeatureMap.fitted(np.eye(4)[:, :2], tied=True, far_weight=0.5)
+    >>> out = dense_attention(np, q, k, v, None, ExactParts(2, 1, None), fm, causal=False,
+    ...                       scale=fm.scale)
+    >>> bool(np.allclose(out, la.linear_attention(q, k, v, fm, window=2, sink_keys=1)))
+    True
+    """
+    batch = q.shape[:-2]
+    per_row = 1
+    for n in batch[1:]:
+        per_row *= n
+    step = max(1, BLOCK_ELEMENTS // (per_row * q.shape[-2] ** 2))
+    if len(batch) == 0 or batch[0] <= step:
+        return _dense_block(xp, q, k, v, key_mask, exact, feature_map, causal, scale)
+
+    def rows_of(mask: Array | None, rows: slice) -> Array | None:  # (may broadcast along)
+        if mask is None or mask.ndim < len(batch) + 1 or mask.shape[0] == 1:
+            return mask
+        return mask[rows, ...]
+
+    blocks = []
+    for start in range(0, batch[0], step):
+        rows = slice(start, start + step)
+        part = ExactParts(exact.window, exact.sink_keys, rows_of(exact.exact_key_mask, rows))
+        blocks.append(
+            _dense_block(
+                xp, q[rows, ...], k[rows, ...], v[rows, ...], rows_of(key_mask, rows), part,
+                feature_map, causal, scale,
+            )  # fmt: skip
+        )
+    return xp.concat(blocks, axis=0)
+
+
+def near_and_far(
+    xp: Namespace,
+    length: int,
+    device: Any,
+    *,
+    causal: bool,
+    window: int | None,
+    sink_keys: int,
+    real: Array | None,
+    exact: Array | None,
+) -> tuple[Array, Array]:
+    """Which keys each of ``length`` queries weighs exactly and which through the map.
+
+    Near keys: the window (``|t - j| < window``), the first ``sink_keys`` keys and the
+    ``exact`` keys; far keys: every other key that is ``real`` (and, ``causal``, not
+    after the query).  ``real`` and ``exact`` are boolean masks broadcasting against
+    ``(..., L_q, L_k)`` (a query axis before the keys'), or None (every key real; no
+    exact keys).  Returns ``(near, far)``, disjoint boolean masks.
+    """
+    t = xp.arange(length, device=device)[:, None]
+    j = xp.arange(length, device=device)[None, :]
+    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
+    near = (j < sink_keys) & seen
+    if window is not None:
+        near = near | (seen & (xp.abs(t - j) < window))
+    if real is None:
+        real = xp.ones((1, length), dtype=xp.bool, device=device)
+    near = near & real
+    if exact is not None:
+        near = near | (exact & real & seen)
+    return near, seen & real & ~near
+
+
+def _dense_block(
+    xp: Namespace,
+    q: Array,
+    k: Array,
+    v: Array,
+    key_mask: Array | None,
+    exact: ExactParts,
+    feature_map: FeatureMap | None,
+    causal: bool,
+    scale: float,
+) -> Array:
+    """:func:`dense_attention` on one block of batch rows."""
+    mask = exact.exact_key_mask
+    near, far = near_and_far(
+        xp, q.shape[-2], array_device(q), causal=causal, window=exact.window,
+        sink_keys=exact.sink_keys, real=None if key_mask is None else key_mask[..., None, :],
+        exact=None if mask is None else mask[..., None, :],
+    )  # fmt: skip
+    near_out, near_lse = _softmax_lse(xp, q, k, v, near, scale)
+    p = None if feature_map is None else feature_map.parameters
+    if p is None:
+        return near_out
+    # The far part: phi(q_i) . g phi(k_j), phi a softmax (entries in [0, 1]), as
+    # exp(log g) times the product of the features.
+    phi_q = softmax(xp, fitted.pairs_projection(xp, p, q, "query"))
+    phi_k = softmax(xp, fitted.pairs_projection(xp, p, k, "key"))
+    # (a product by the mask: finite features, and faster than selecting on CPUs)
+    products = xp.matmul(phi_q, xp.matrix_transpose(phi_k)) * xp.astype(far, q.dtype)
+    far_sum = xp.sum(products, axis=-1)
+    has_far = far_sum > 0
+    log_g = fitted.far_log_shift(xp, p, k)  # 0-d, or (..., 1, 1) per head
+    log_g = log_g if isinstance(log_g, float) else log_g[..., 0]
+    far_lse = xp.where(
+        has_far, xp.log(xp.where(has_far, far_sum, xp.ones_like(far_sum))) + log_g,
+        constant(xp, -math.inf, far_sum),
+    )  # fmt: skip
+    top = safe_shift(xp, xp.maximum(near_lse, far_lse))
+    near_weight = xp.exp(near_lse - top)[..., None]
+    far_weight = xp.exp(far_lse - top)[..., None]  # ... per unit of far_sum:
+    far_scale = far_weight / xp.where(has_far, far_sum, xp.ones_like(far_sum))[..., None]
+    numerator = near_out * near_weight + xp.matmul(products, v) * far_scale
+    denominator = near_weight + far_weight  # >= 1 where a query sees a key
+    zero = constant(xp, 0.0, denominator)
+    return xp.where(denominator > zero, numerator / xp.where(
+        denominator > zero, denominator, xp.ones_like(denominator)), zero)
+
+
+def _softmax_lse(
+    xp: Namespace, q: Array, k: Array, v: Array, visible: Array, scale: float
+) -> tuple[Array, Array]:
+    """Exact attention over the ``visible`` keys and its log-sum-exp (a query that sees
+    no key: zeros and ``-inf``), by a fused kernel where one serves."""
+    fused = fused_softmax_lse(xp, q, k, v, visible, scale)
+    if fused is not None:
+        return fused
+    logits = xp.matmul(q, xp.matrix_transpose(k)) * scale
+    logits = xp.where(visible, logits, constant(xp, -math.inf, logits))
+    top = safe_shift(xp, xp.max(logits, axis=-1))
+    weights = xp.exp(logits - top[..., None])
+    total = xp.sum(weights, axis=-1)
+    seen = total > 0
+    safe = xp.where(seen, total, xp.ones_like(total))
+    lse = xp.where(seen, xp.log(safe) + top, constant(xp, -math.inf, total))
+    return xp.matmul(weights, v) / safe[..., None], lse
