@@ -389,17 +389,17 @@ def exact_parts_call(
         sink_keys=sink_keys, exact_key_mask=exact_key_mask, scale=scale, extra=extra,
     )  # fmt: skip
     fields: dict[str, Any] = {}
-    options = {
-        "scale": c.scale, "statistics": c.statistics, "chunk_size": c.chunk_size, "plan": plan
-    }  # fmt: skip
+    xp = c.info.xp
     if causal:
         found, fields = build.causal_parts(
-            c.info.xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, state, **options
-        )
+            xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, state, scale=c.scale,
+            statistics=c.statistics, chunk_size=c.chunk_size, plan=plan,
+        )  # fmt: skip
     else:
         found = build.bidirectional_parts(
-            c.info.xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, **options
-        )
+            xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, scale=c.scale,
+            statistics=c.statistics, chunk_size=c.chunk_size, plan=plan,
+        )  # fmt: skip
     return ExactPartsCall(c.info, c.exact, found, fields, c.batch, c.keep)
 
 

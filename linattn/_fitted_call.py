@@ -30,7 +30,6 @@ from linattn._gqa import grouped
 from linattn._plan import plan_attention
 from linattn._xp import (
     Array,
-    Namespace,
     array_device,
     constant,
     is_array,

@@ -155,9 +155,10 @@ def _dense_hybrid_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
             return "symbolic shapes (torch.compile with dynamic shapes)"
         if str(x.dtype).removeprefix("torch.") not in ("float32", "float64"):
             return f"{name} is {str(x.dtype).removeprefix('torch.')}"
-    length = call.q.shape[-2]
-    if call.k.shape[-2] != length or length > dense.MAX_LENGTH:
-        return f"not self-attention of at most {dense.MAX_LENGTH} tokens"
+    length, limit = call.q.shape[-2], dense.max_length(bool(call.causal))
+    if call.k.shape[-2] != length or length > limit:
+        kind = "causal " if call.causal else ""
+        return f"not {kind}self-attention of at most {limit} tokens"
     import torch
 
     if torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values()):

@@ -39,11 +39,11 @@ import numpy as np
 
 from linattn import fitted
 from linattn._checks import check_scale
-from linattn.hybrid.dense import near_and_far
 from linattn._gqa import grouped
 from linattn._xp import Array, Namespace, array_device, constant, namespace_of, to_host
 from linattn.features import FeatureMap
 from linattn.fitted import FittedParameters
+from linattn.hybrid.dense import near_and_far
 
 __all__ = [
     "EXACT_HEADS_ENTRY",

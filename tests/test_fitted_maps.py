@@ -37,8 +37,11 @@ def _log_phi(w: np.ndarray, b: np.ndarray, x: np.ndarray) -> np.ndarray:
     return z - top - np.log(np.exp(z - top).sum(axis=-1, keepdims=True))
 
 
-def _reference(q, k, v, fm, *, causal, window=None, sink_keys=0, exact_key_mask=None):
-    """Dense float64 attention, ``(B, H, L, d_v)``; keys ``(B, H_kv, L, d)``."""
+def _reference(
+    q, k, v, fm, *, causal, window=None, sink_keys=0, exact_key_mask=None, key_mask=None
+):  # fmt: skip
+    """Dense float64 attention, ``(B, H, L, d_v)``; keys ``(B, H_kv, L, d)``; masked keys
+    (``key_mask`` false) weigh nothing, and a query that sees no key gets zeros."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     p = fm.parameters
     heads, kv_heads = q.shape[-3], k.shape[-3]
@@ -59,7 +62,11 @@ def _reference(q, k, v, fm, *, causal, window=None, sink_keys=0, exact_key_mask=
     exact = np.exp(fm.scale * np.einsum("...id,...jd->...ij", q, k))
     far = g * np.exp(lq[..., :, None, :] + lk[..., None, :, :]).sum(axis=-1)
     weights = np.where(near, exact, np.where(seen, far, 0.0))
-    return (weights @ v) / weights.sum(axis=-1, keepdims=True)
+    if key_mask is not None:
+        weights = np.where(np.asarray(key_mask)[..., None, :], weights, 0.0)
+        v = np.where(np.asarray(key_mask)[..., None], v, 0.0)  # (NaN padding)
+    total = weights.sum(axis=-1, keepdims=True)
+    return (weights @ v) / np.where(total > 0, total, 1.0)
 
 
 def _map(rng, heads, kv_heads, far_weight, *, tied=False):
@@ -838,6 +845,116 @@ def test_jax_fitted_attention_differentiates_the_parameters() -> None:
         want = np.asarray(jitted(jnp.array([0.0, 0.5])))
         assert np.isnan(got[:, 0]).all() and np.isfinite(want[:, 0]).all()
         np.testing.assert_array_equal(got[:, 1], want[:, 1])
+
+
+# -- 3b. short calls as matrix products (torch CPU tensors, no gradient) ---------------
+
+
+def test_short_torch_calls_run_dense_and_match_the_reference(monkeypatch) -> None:
+    """The ``dense-hybrid`` executor (torch's fused attention for the near keys, the
+    features' product for the far keys): every map layout, causal and bidirectional,
+    window, sinks and exact keys, NaN padding, a batch row without keys, and batch rows
+    in blocks; the same function on NumPy arrays (the array API's softmax, no fused
+    kernel) too."""
+    torch = pytest.importorskip("torch")
+    from linattn.hybrid import dense
+    from linattn.hybrid.build import ExactParts
+
+    fused_calls = []
+
+    def fused(*args):  # type: ignore[no-untyped-def]
+        out = fused_softmax_lse(*args)
+        fused_calls.append(out is not None)
+        return out
+
+    from linattn._xp import fused_softmax_lse
+
+    monkeypatch.setattr(dense, "fused_softmax_lse", fused)
+    rng = np.random.default_rng(11)
+    for name, fm, q, k, v in _cases(rng):
+        q, k, v = (np.concatenate([a, rng.normal(size=a.shape)]) for a in (q, k, v))
+        # values as wide as the keys, as torch's fused kernel takes them
+        v = np.concatenate([v, rng.normal(size=(*v.shape[:-1], D - DV))], axis=-1)
+        key_mask = np.ones((2, 1, 9), dtype=bool)
+        key_mask[0] = False  # batch row 0 sees no key: zeros
+        key_mask[1, :, 6:] = key_mask[1, :, 0] = False  # query 8: far keys only
+        k[1, :, 7], v[1, :, 8] = np.nan, np.inf  # padding holds anything
+        for causal in (True, False):
+            for options in _options(causal):
+                expected = _reference(q, k, v, fm, causal=causal, key_mask=key_mask, **options)
+                assert np.all(expected[0] == 0) and np.all(np.isfinite(expected)), name
+                t_options = {
+                    "causal": causal, "key_mask": torch.tensor(key_mask),
+                    **{n: torch.tensor(x) if isinstance(x, np.ndarray) else x
+                       for n, x in options.items()},
+                }  # fmt: skip
+                tensors = [torch.tensor(a) for a in (q, k, v)]
+                if not options:  # no exact parts: not this executor's
+                    assert la.plan_attention(*tensors, fm, **t_options).executor != (
+                        "dense-hybrid"
+                    )
+                    continue
+                assert la.plan_attention(*tensors, fm, **t_options).executor == "dense-hybrid"
+                _close(la.linear_attention(*tensors, fm, **t_options).numpy(), expected)
+                for blocks in (dense.BLOCK_ELEMENTS, 1):  # (1: one batch row a block)
+                    monkeypatch.setattr(dense, "BLOCK_ELEMENTS", blocks)
+                    got = la.linear_attention(*tensors, fm, **t_options)
+                    _close(got.numpy(), expected)
+                if k.shape[1] != q.shape[1]:
+                    continue  # (the executor groups the heads first)
+                got = dense.dense_attention(
+                    np, q, *(np.where(key_mask[..., None], a, 0.0) for a in (k, v)), key_mask,
+                    ExactParts(options["window"], options["sink_keys"],
+                               options.get("exact_key_mask")),
+                    fm, causal=causal, scale=fm.scale,
+                )  # fmt: skip
+                _close(got, expected)
+    assert any(fused_calls) and not all(fused_calls)  # torch's kernel, and NumPy's path
+    # float32: float32 rounding
+    fm = _map(rng, 2, 2, [0.0, 0.6])
+    q, k, v = _inputs(rng, 2, 2)
+    t32 = [torch.tensor(a, dtype=torch.float32) for a in (q, k, v)]
+    out = la.linear_attention(*t32, fm, **HYBRID)
+    assert out.dtype == torch.float32
+    _close(out.numpy(), _reference(q, k, v, fm, causal=False, **HYBRID), 1e-5)
+
+
+def test_the_dense_form_is_chosen_for_short_calls_without_gradients() -> None:
+    """Where ``dense-hybrid`` does not serve, the plan says why (and the compiled kernels
+    or the portable parts run, as before)."""
+    torch = pytest.importorskip("torch")
+    from linattn.hybrid import dense
+
+    rng = np.random.default_rng(12)
+    fm = _map(rng, 2, 2, [0.5, 0.6])
+    q, k, v = (torch.tensor(a) for a in _inputs(rng, 2, 2))
+
+    def why(*arrays, feature_map=fm, **options):  # type: ignore[no-untyped-def]
+        plan = la.plan_attention(*arrays, feature_map, **{**HYBRID, **options})
+        return None if plan.executor == "dense-hybrid" else dict(plan.rejected)["dense-hybrid"]
+
+    assert why(q, k, v) is None
+    assert why(q, k, v, causal=True) is None
+    with torch.no_grad():
+        assert why(q.requires_grad_(), k, v) is None
+    assert why(q, k, v).startswith("a gradient is asked")
+    q = q.detach()
+    assert why(q, k, v, backend="array_api") == "backend='array_api'"
+    assert why(q, k, v, feature_map=la.FeatureMap(D, N, seed=0)).startswith("no fitted map")
+    assert why(q, k, v, causal=True, return_state=True).startswith("a state is asked")
+    assert why(*(x.numpy() for x in (q, k, v))) == "not torch CPU tensors"
+    assert why(q.half(), k.half(), v.half()) == "q is float16"
+    long = [torch.zeros(1, 2, dense.MAX_LENGTH + 1, D) for _ in range(3)]
+    assert why(*long) == f"not self-attention of at most {dense.MAX_LENGTH} tokens"
+    assert why(*(x[..., : dense.MAX_LENGTH, :] for x in long)) is None
+    limit = dense.CAUSAL_MAX_LENGTH
+    assert why(*(x[..., :limit, :] for x in long), causal=True) is None
+    assert why(*(x[..., : limit + 1, :] for x in long), causal=True) == (
+        f"not causal self-attention of at most {limit} tokens"
+    )
+    assert why(q, k[..., :5, :], v[..., :5, :], causal=True) == (
+        f"not causal self-attention of at most {limit} tokens"
+    )
 
 
 def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:

@@ -18,7 +18,7 @@ they need no stabiliser of their own: only ``log g`` is kept apart, in the far p
 log-scale.  Random maps, whose log-features grow with a key's norm, keep the scans'
 per-key stabilisation.
 
-Which calls run here is :mod:`linattn._plan`'s decision (:data:`MAX_LENGTH`).
+Which calls run here is :mod:`linattn._plan`'s decision (:func:`max_length`).
 """
 
 from __future__ import annotations
@@ -39,21 +39,40 @@ from linattn._xp import (
 from linattn.features import FeatureMap
 from linattn.hybrid.build import ExactParts
 
-__all__ = ["BLOCK_ELEMENTS", "MAX_LENGTH", "dense_attention", "near_and_far"]
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "CAUSAL_MAX_LENGTH",
+    "MAX_LENGTH",
+    "dense_attention",
+    "max_length",
+    "near_and_far",
+]
 
 #: The longest self-attention the plan gives the dense form (torch CPU tensors, a fitted
-#: map, no gradient asked).  Measured against the one-pass hybrid kernel, MiniLM's
-#: shape (batch 8, 12 heads, d = 32, m = 64, window 16 + 1 sink + an exact key per row),
-#: one run on this project's 2-core CPU: the kernel took 3.9x / 2.1x / 1.5x / 1.2x the
-#: dense form's time at 128 / 256 / 384 / 512 tokens, 0.9x at 768
-#: (``benchmarks/dense_hybrid_speed.py``); the dense form also holds ``L x L`` weights
-#: per head, in blocks of batch rows (:data:`BLOCK_ELEMENTS`).
+#: map, no gradient asked), bidirectional.  Measured against the one-pass hybrid kernels
+#: on MiniLM's shape (batch 8, 12 heads, d = 32, m = 64, window 16 + 1 sink + an exact
+#: key per row), one run on this project's 2-core CPU: the kernels took 4.1x / 2.9x /
+#: 1.6x / 1.2x / 1.2x the dense form's time at 64 / 128 / 256 / 384 / 512 tokens
+#: (``python benchmarks/dense_hybrid_speed.py``); the dense form also holds ``L x L``
+#: weights per head, in blocks of batch rows (:data:`BLOCK_ELEMENTS`).
 MAX_LENGTH = 512
+
+#: The same for causal calls, whose dense form computes the weights after each query too
+#: (and zeroes them): the kernels took 1.5x / 1.3x / 1.3x / 1.0x / 0.84x the dense form's
+#: time at 128 / 160 / 192 / 224 / 256 tokens (``... --only-causal --lengths 128 160 192
+#: 224 256``).
+CAUSAL_MAX_LENGTH = 192
 
 #: About how many ``L x L`` weights the dense form holds at once: rows of the batch are
 #: computed in blocks of at most this many weights (at least one row), which keeps the
 #: block's weights in cache (4M float32 weights, 16 MiB, was the fastest measured).
 BLOCK_ELEMENTS = 1 << 22
+
+
+def max_length(causal: bool) -> int:
+    """The longest self-attention the plan gives the dense form (measured crossovers:
+    :data:`MAX_LENGTH`, :data:`CAUSAL_MAX_LENGTH`)."""
+    return CAUSAL_MAX_LENGTH if causal else MAX_LENGTH
 
 
 def dense_attention(
@@ -106,12 +125,8 @@ def dense_attention(
     for start in range(0, batch[0], step):
         rows = slice(start, start + step)
         part = ExactParts(exact.window, exact.sink_keys, rows_of(exact.exact_key_mask, rows))
-        blocks.append(
-            _dense_block(
-                xp, q[rows, ...], k[rows, ...], v[rows, ...], rows_of(key_mask, rows), part,
-                feature_map, causal, scale,
-            )  # fmt: skip
-        )
+        block = (q[rows, ...], k[rows, ...], v[rows, ...], rows_of(key_mask, rows))
+        blocks.append(_dense_block(xp, *block, part, feature_map, causal, scale))
     return xp.concat(blocks, axis=0)
 
 
@@ -177,9 +192,9 @@ def _dense_block(
     # (a product by the mask: finite features, and faster than selecting on CPUs)
     products = xp.matmul(phi_q, xp.matrix_transpose(phi_k)) * xp.astype(far, q.dtype)
     far_sum = xp.sum(products, axis=-1)
-    has_far = far_sum > 0
-    log_g = fitted.far_log_shift(xp, p, k)  # 0-d, or (..., 1, 1) per head
+    log_g = fitted.far_log_shift(xp, p, k)  # a float, or (..., 1, 1) per head
     log_g = log_g if isinstance(log_g, float) else log_g[..., 0]
+    has_far = (far_sum > 0) & (log_g > fitted.ZERO_FAR_LOG)  # g = 0: no far keys at all
     far_lse = xp.where(
         has_far, xp.log(xp.where(has_far, far_sum, xp.ones_like(far_sum))) + log_g,
         constant(xp, -math.inf, far_sum),
@@ -191,8 +206,11 @@ def _dense_block(
     numerator = near_out * near_weight + xp.matmul(products, v) * far_scale
     denominator = near_weight + far_weight  # >= 1 where a query sees a key
     zero = constant(xp, 0.0, denominator)
-    return xp.where(denominator > zero, numerator / xp.where(
-        denominator > zero, denominator, xp.ones_like(denominator)), zero)
+    return xp.where(
+        denominator > zero,
+        numerator / xp.where(denominator > zero, denominator, xp.ones_like(denominator)),
+        zero,
+    )
 
 
 def _softmax_lse(

@@ -1,0 +1,99 @@
+"""Where the dense form of a short fitted hybrid beats the one-pass kernels
+(``linattn.hybrid.dense.MAX_LENGTH``).
+
+One MiniLM-sized call on torch CPU tensors, no gradient (batch 8, 12 heads, d = 32, a
+fitted map of m = 64 with a far weight per head, window 16 + 1 sink + an exact key per
+row, the last batch row a quarter padded), timed for ``linear_attention`` as the plan
+runs it (``dense-hybrid`` up to ``MAX_LENGTH`` tokens) and forced onto the compiled
+kernels (``backend="numba"``: ``torch-kernels``, what ran before), best of
+``--repeats``, in one run; their largest output difference; and torch's exact
+``scaled_dot_product_attention`` of the same shape, for scale.
+
+    python benchmarks/dense_hybrid_speed.py
+    python benchmarks/dense_hybrid_speed.py --lengths 128 512 --causal --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+import linattn as la
+
+
+def best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure(length: int, causal: bool, repeats: int, batch: int = 8) -> dict[str, object]:
+    """One length: milliseconds per path, the kernels' time over the dense form's."""
+    heads, d, half = 12, 32, 32
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, d, generator=generator) for _ in "qkv")
+    key_mask = torch.ones(batch, 1, length, dtype=torch.bool)
+    key_mask[-1, :, -length // 4 :] = False
+    rng = np.random.default_rng(0)
+    weight = np.eye(d)[:, :half] + 0.1 * rng.normal(size=(heads, d, half))
+    bias = 0.1 * rng.normal(size=(heads, half))
+    fm = la.FeatureMap.fitted(
+        weight, bias, key_weight=weight, key_bias=bias, far_weight=np.full(heads, 0.5)
+    )
+    options: dict[str, object] = {"window": 16, "sink_keys": 1, "key_mask": key_mask}
+    if causal:
+        options["causal"] = True
+    else:
+        exact = torch.zeros(batch, 1, length, dtype=torch.bool)
+        exact[:, :, length // 2] = True
+        options["exact_key_mask"] = exact
+    plan = la.plan_attention(q, k, v, fm, **options).executor
+    with torch.inference_mode():
+        dense = best(lambda: la.linear_attention(q, k, v, fm, **options), repeats)
+        kernels = best(
+            lambda: la.linear_attention(q, k, v, fm, backend="numba", **options), repeats
+        )
+        sdpa = best(
+            lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=key_mask[:, :, None, :], is_causal=False
+            ),
+            repeats,
+        )
+        difference = (
+            (
+                la.linear_attention(q, k, v, fm, **options)
+                - la.linear_attention(q, k, v, fm, backend="numba", **options)
+            )
+            .abs()
+            .max()
+        )
+    return {
+        "L": length, "causal": causal, "plan": plan, "plan ms": round(dense * 1e3, 2),
+        "kernels ms": round(kernels * 1e3, 2), "kernels / plan": round(kernels / dense, 2),
+        "sdpa ms": round(sdpa * 1e3, 2), "max |diff|": float(difference),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 384, 512, 768])
+    ap.add_argument("--causal", action="store_true", help="also causal calls (no exact keys)")
+    ap.add_argument("--only-causal", action="store_true", help="causal calls only")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for causal in (True,) if args.only_causal else (False, True) if args.causal else (False,):
+        for length in args.lengths:
+            print(measure(length, causal, args.repeats), flush=True)
+
+
+if __name__ == "__main__":
+    main()
