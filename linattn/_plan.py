@@ -236,6 +236,8 @@ def _fused_far_keys_why_not(
     if call.feature_map is None:
         return "no feature map (exact sparse attention merges its parts)"
     if fitted and call.feature_map.parameters is not None:
+        if _asked_backend(call) == "array_api":  # (no scan to say so: its features are given)
+            return "backend='array_api'"
         return _dispatch.hybrid_kernel_why_not(call.q)
     if not scan.fused:
         return f"no fused pass: {scan.reason}"

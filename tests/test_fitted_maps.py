@@ -123,6 +123,8 @@ def test_numpy_paths_match_the_dense_reference() -> None:
                     )
                     executors.add(plan.executor)
                     scans.add(plan.scan.path)
+                    if backend == "array_api":  # the portable code, never a kernel
+                        assert plan.executor in ("portable", "hybrid-parts"), plan
                     out = la.linear_attention(
                         q, k, v, fm, causal=causal, backend=backend, **options
                     )
