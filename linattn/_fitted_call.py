@@ -35,12 +35,11 @@ from linattn._xp import (
     is_array,
     namespace_of,
     softmax,
-    stop_gradient,
     untraced,
 )
 from linattn.features import FeatureMap
-from linattn.fitted import check_values, log_softmax_pairs
-from linattn.hybrid.dense import near_and_far
+from linattn.fitted import check_values
+from linattn.hybrid.dense import hybrid_from_features, near_and_far
 
 __all__ = [
     "DENSE_MAX_LENGTH",
@@ -52,11 +51,13 @@ __all__ = [
 
 #: The longest self-attention the dense form computes when the caller leaves the choice
 #: (``dense=None``).  One MiniLM-sized call (12 heads, d = 32, m = 64, batch 8), forward
-#: and backward in every input and parameter, one run: the library's path took 4.2x /
-#: 3.4x the dense form's time at 128 / 256 tokens, 0.87x / 0.84x / 0.66x at 320 / 384 /
-#: 512 (``benchmarks/refine_attention_speed.py``); the dense form also holds ``L x L``
-#: weights per head.
-DENSE_MAX_LENGTH = 256
+#: and backward in every input and parameter, one run: the library's path took 4.5x /
+#: 2.4x / 2.0x / 1.05x the dense form's time at 128 / 256 / 320 / 384 tokens, 0.81x at
+#: 512 (``benchmarks/refine_attention_speed.py --lengths 128 256 320 384 512``); the
+#: dense form also holds ``L x L`` weights per head.  (Before the dense form merged its
+#: near and far parts, :func:`linattn.hybrid.dense.hybrid_from_features`, it computed
+#: ``log(g phi . phi)`` for every far key: 0.87x at 320 tokens, and the limit was 256.)
+DENSE_MAX_LENGTH = 384
 
 
 def use_dense(dense: object, backend: object, q: Any, k: Any) -> bool:
@@ -188,13 +189,14 @@ def dense_hybrid(
     by the caller's framework (arguments checked by :func:`check_call` first).
 
     ``out_i = softmax_j(s q_i.k_j on near keys; log(g phi(q_i).phi(k_j)) on far ones)
-    v_j``: near keys are the window, the sinks and the exact keys, far keys every other
-    real (and, causal, past) key; a head with ``g = 0`` keeps its near keys alone (and
-    ``g`` gets no gradient there; without a window, sinks or exact keys ``g`` cancels,
-    as in the library); a query that sees no key outputs zeros.  A head whose ``g`` is
-    negative or NaN outputs NaN (its callers refuse such values first where they can
-    read them; under ``jax.jit`` they cannot).  Parameters are cast to ``q``'s dtype
-    (their gradients come back in their own).
+    v_j``, computed as the near and far parts merged
+    (:func:`linattn.hybrid.dense.hybrid_from_features`): near keys are the window, the
+    sinks and the exact keys, far keys every other real (and, causal, past) key; a head
+    with ``g = 0`` keeps its near keys alone (and ``g`` gets no gradient there; without a
+    window, sinks or exact keys ``g`` cancels, as in the library); a query that sees no
+    key outputs zeros.  A head whose ``g`` is negative or NaN outputs NaN (its callers
+    refuse such values first where they can read them; under ``jax.jit`` they cannot).
+    Parameters are cast to ``q``'s dtype (their gradients come back in their own).
 
     Parameters
     ----------
@@ -231,7 +233,7 @@ def dense_hybrid(
             return None
         return xp.astype(x if is_array(x) else xp.asarray(x, device=device), dtype)
 
-    def log_phi(x: Array, weight: Array, bias: Array | None, group: int) -> Array:
+    def phi(x: Array, weight: Array, bias: Array | None, group: int) -> Array:
         if grouping and weight.ndim == 3:  # per head, (H', d, m/2): (H' / group, group, ...)
             weight = xp.reshape(weight, (weight.shape[0] // group, group, *weight.shape[1:]))
             if bias is not None and bias.ndim == 2:
@@ -239,38 +241,30 @@ def dense_hybrid(
         u = xp.matmul(x, weight)
         if bias is not None:
             u = u + bias[..., None, :]
-        return log_softmax_pairs(xp, u)
+        return softmax(xp, xp.concat([u, -u], axis=-1))
 
     wq, bq = cast(query_weight), cast(query_bias)
     wk, bk = (wq, bq) if tied else (cast(key_weight), cast(key_bias))
-    lq = log_phi(gq, wq, bq, gq.shape[-3] if grouping else 1)
-    lk = log_phi(gk, wk, bk, 1)
+    phi_q = phi(gq, wq, bq, gq.shape[-3] if grouping else 1)
+    phi_k = phi(gk, wk, bk, 1)
     g = cast(1.0 if far_weight is None else far_weight)
-    if g.ndim:  # one per key head: against (..., H_kv, [G,] L, L)
-        g = xp.reshape(g, (g.shape[0],) + (1,) * (3 if grouping else 2))
+    if g.ndim:  # one per key head: against (..., H_kv, [G,] L)
+        g = xp.reshape(g, (g.shape[0],) + (1,) * (2 if grouping else 1))
     # A negative or NaN g (values only a traced call cannot check first): NaN outputs.
     valid = g >= 0
-    exact_parts = window is not None or sink_keys > 0 or exact_key_mask is not None
-    # Without exact parts g cancels (g = 0 too): the map is all there is.
-    on = g > 0 if exact_parts else xp.ones_like(g, dtype=xp.bool)
-    off = constant(xp, -math.inf if exact_parts else 0.0, g)  # g = 0: no far keys
-    log_g = xp.where(on, xp.log(xp.where(g > 0, g, xp.ones_like(g))), off)
-    a = stop_gradient(xp, xp.max(lq, axis=-1, keepdims=True))
-    b = stop_gradient(xp, xp.max(lk, axis=-1, keepdims=True))
-    products = xp.matmul(xp.exp(lq - a), xp.matrix_transpose(xp.exp(lk - b)))
-    tiny = constant(xp, float(xp.finfo(dtype).tiny), products)
-    far_logits = xp.log(xp.maximum(products, tiny)) + (a + log_g) + xp.matrix_transpose(b)
-    near, far = near_and_far(  # g = 0 heads keep their far keys, at far logits -inf
+    if window is not None or sink_keys > 0 or exact_key_mask is not None:
+        # g = 0: no far keys (and no gradient for g)
+        positive = xp.where(g > 0, g, xp.ones_like(g))
+        log_g = xp.where(g > 0, xp.log(positive), constant(xp, -math.inf, g))
+    else:  # without exact parts g cancels: the map is all there is (g's gradient is 0)
+        log_g = xp.where(xp.isfinite(g), g * 0, xp.zeros_like(g))
+    near, far = near_and_far(
         xp, length, device, causal=causal, window=window, sink_keys=sink_keys,
         real=None if g_mask is None else g_mask[..., None, :],
         exact=None if exact is None else exact[..., None, :],
     )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
-    minus_inf = constant(xp, -math.inf, logits)
-    scores = xp.where(near, logits, xp.where(far, far_logits, minus_inf))
-    has_near = xp.any(near, axis=-1, keepdims=True)
-    any_key = has_near | (xp.any(far, axis=-1, keepdims=True) & on)  # none: zeros
-    probs = softmax(xp, xp.where(any_key, scores, xp.zeros_like(scores)))
-    out = xp.matmul(xp.where(any_key, probs, xp.zeros_like(probs)), gv)
+    out = hybrid_from_features(xp, gq, gk, gv, phi_q, phi_k, log_g, near, far, scale)
+    if valid.ndim:
+        valid = valid[..., None]  # against (..., L, d_v)
     return ungroup(xp.where(valid, out, constant(xp, math.nan, out)))

@@ -35,6 +35,7 @@ from linattn._xp import (
     fused_softmax_lse,
     safe_shift,
     softmax,
+    stop_gradient,
 )
 from linattn.features import FeatureMap
 from linattn.hybrid.build import ExactParts
@@ -44,6 +45,7 @@ __all__ = [
     "CAUSAL_MAX_LENGTH",
     "MAX_LENGTH",
     "dense_attention",
+    "hybrid_from_features",
     "max_length",
     "near_and_far",
 ]
@@ -181,36 +183,66 @@ def _dense_block(
         sink_keys=exact.sink_keys, real=None if key_mask is None else key_mask[..., None, :],
         exact=None if mask is None else mask[..., None, :],
     )  # fmt: skip
-    near_out, near_lse = _softmax_lse(xp, q, k, v, near, scale)
     p = None if feature_map is None else feature_map.parameters
     if p is None:
-        return near_out
-    # The far part: phi(q_i) . g phi(k_j), phi a softmax (entries in [0, 1]), as
-    # exp(log g) times the product of the features.
+        return _softmax_lse(xp, q, k, v, near, scale)[0]
     phi_q = softmax(xp, fitted.pairs_projection(xp, p, q, "query"))
     phi_k = softmax(xp, fitted.pairs_projection(xp, p, k, "key"))
-    # (a product by the mask: finite features, and faster than selecting on CPUs)
-    products = xp.matmul(phi_q, xp.matrix_transpose(phi_k)) * xp.astype(far, q.dtype)
-    far_sum = xp.sum(products, axis=-1)
     log_g = fitted.far_log_shift(xp, p, k)  # a float, or (..., 1, 1) per head
     log_g = log_g if isinstance(log_g, float) else log_g[..., 0]
-    has_far = (far_sum > 0) & (log_g > fitted.ZERO_FAR_LOG)  # g = 0: no far keys at all
+    if isinstance(log_g, float):
+        log_g = -math.inf if log_g == fitted.ZERO_FAR_LOG else log_g
+    else:  # g = 0: no far keys at all
+        log_g = xp.where(log_g > fitted.ZERO_FAR_LOG, log_g, constant(xp, -math.inf, log_g))
+    return hybrid_from_features(xp, q, k, v, phi_q, phi_k, log_g, near, far, scale)
+
+
+def hybrid_from_features(
+    xp: Namespace,
+    q: Array,
+    k: Array,
+    v: Array,
+    phi_q: Array,
+    phi_k: Array,
+    log_g: Array | float,
+    near: Array,
+    far: Array,
+    scale: float,
+) -> Array:
+    """``(N_near + g N_far) / (D_near + g D_far)`` from the features, dense, and
+    differentiable by the caller's framework in every argument but the masks.
+
+    ``phi_q`` ``(..., L, m)`` and ``phi_k`` are a normalised map's features (entries in
+    ``[0, 1]``); ``log_g`` broadcasts against ``(..., L)`` (``-inf``: no far part, the
+    near keys alone, and no gradient); ``near`` and ``far`` are disjoint boolean masks
+    against ``(..., L, L)`` (:func:`near_and_far`).  A query that sees no key outputs
+    zeros.  The near part runs torch's fused attention kernel where it serves
+    (:func:`linattn._xp.fused_softmax_lse`), the array API's softmax elsewhere.
+    """
+    near_out, near_lse = _softmax_lse(xp, q, k, v, near, scale)
+    # (a product by the mask: the features are finite, and selecting is slower on CPUs)
+    products = xp.matmul(phi_q, xp.matrix_transpose(phi_k)) * xp.astype(far, phi_q.dtype)
+    far_sum = xp.sum(products, axis=-1)
+    ones = xp.ones_like(far_sum)
+    if isinstance(log_g, float):
+        has_far = far_sum > 0 if log_g > -math.inf else xp.zeros_like(far_sum, dtype=xp.bool)
+        safe_log_g: Array | float = log_g if log_g > -math.inf else 0.0
+    else:
+        has_far = (far_sum > 0) & (log_g > -math.inf)
+        safe_log_g = xp.where(has_far, log_g, constant(xp, 0.0, far_sum))
     far_lse = xp.where(
-        has_far, xp.log(xp.where(has_far, far_sum, xp.ones_like(far_sum))) + log_g,
+        has_far, xp.log(xp.where(has_far, far_sum, ones)) + safe_log_g,
         constant(xp, -math.inf, far_sum),
     )  # fmt: skip
-    top = safe_shift(xp, xp.maximum(near_lse, far_lse))
+    top = stop_gradient(xp, safe_shift(xp, xp.maximum(near_lse, far_lse)))
     near_weight = xp.exp(near_lse - top)[..., None]
     far_weight = xp.exp(far_lse - top)[..., None]  # ... per unit of far_sum:
-    far_scale = far_weight / xp.where(has_far, far_sum, xp.ones_like(far_sum))[..., None]
+    far_scale = far_weight / xp.where(has_far, far_sum, ones)[..., None]
     numerator = near_out * near_weight + xp.matmul(products, v) * far_scale
     denominator = near_weight + far_weight  # >= 1 where a query sees a key
-    zero = constant(xp, 0.0, denominator)
-    return xp.where(
-        denominator > zero,
-        numerator / xp.where(denominator > zero, denominator, xp.ones_like(denominator)),
-        zero,
-    )
+    seen = denominator > 0
+    safe = xp.where(seen, denominator, xp.ones_like(denominator))
+    return xp.where(seen, numerator / safe, constant(xp, 0.0, numerator))
 
 
 def _softmax_lse(
@@ -223,7 +255,7 @@ def _softmax_lse(
         return fused
     logits = xp.matmul(q, xp.matrix_transpose(k)) * scale
     logits = xp.where(visible, logits, constant(xp, -math.inf, logits))
-    top = safe_shift(xp, xp.max(logits, axis=-1))
+    top = stop_gradient(xp, safe_shift(xp, xp.max(logits, axis=-1)))
     weights = xp.exp(logits - top[..., None])
     total = xp.sum(weights, axis=-1)
     seen = total > 0
