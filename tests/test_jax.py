@@ -109,3 +109,23 @@ def test_calibrate_refuses_traced_arrays() -> None:
     q, k, _ = _qkv(4)
     with pytest.raises(TypeError, match="calibrate computes statistics on the host"):
         jax.jit(lambda q, k: fm.calibrate(q, k).oprf_a)(q, k)
+
+
+def test_with_exact_heads_under_jit() -> None:
+    """Exact heads spliced inside ``jax.jit`` (the key mask traced, grouped-query heads)
+    equal the eager NumPy splice."""
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(2, 4, 5, 3))
+    k, v = rng.normal(size=(2, 2, 5, 3)), rng.normal(size=(2, 2, 5, 2))
+    out = rng.normal(size=(2, 4, 5, 2))
+    mask = np.ones((2, 2, 5), dtype=bool)
+    mask[1, 1, :2] = False
+    expected = la.with_exact_heads(out, q, k, v, [3, 1], causal=True, key_mask=mask)
+
+    @jax.jit
+    def splice(out, q, k, v, mask):  # type: ignore[no-untyped-def]
+        return la.with_exact_heads(out, q, k, v, [3, 1], causal=True, key_mask=mask)
+
+    got = splice(*(jnp.asarray(a) for a in (out, q, k, v, mask)))
+    assert isinstance(got, jax.Array)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)

@@ -15,8 +15,11 @@ dense:
 The parts merge as every hybrid's do, at the larger of their two log-scales.  A fitted
 map's features are a softmax (entries in ``[0, 1]``, the largest at least ``1/m``), so
 they need no stabiliser of their own: only ``log g`` is kept apart, in the far part's
-log-scale.  Random maps, whose log-features grow with a key's norm, keep the scans'
-per-key stabilisation.
+log-scale.  (As in the log-domain dense form this replaced, a far weight below the
+float's range, a query and a key whose features overlap only where both are below
+``1e-38`` in float32, is lost; the scans, which stabilise each feature over the keys,
+keep it, and it matters only to a row whose near part is as small.)  Random maps, whose
+log-features grow with a key's norm, keep the scans.
 
 Which calls run here is :mod:`linattn._plan`'s decision (:func:`max_length`).
 """
