@@ -1,11 +1,44 @@
 """What the framework layers (:mod:`linattn.torch`, :mod:`linattn.flax`) share about the
-maps they hold: the check of a fitted map given to a layer."""
+maps they hold: the check of a fitted map given to a layer, and of its exact heads."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from linattn.features import FeatureMap
 
-__all__ = ["fitted_template"]
+__all__ = ["check_exact_heads", "exact_heads_decoding_error", "fitted_template"]
+
+
+def check_exact_heads(heads: object) -> tuple[int, ...]:
+    """A layer's ``exact_heads``: distinct non-negative query-head indices, sorted (their
+    range is checked against the inputs' heads by :func:`linattn.with_exact_heads`).
+
+    >>> check_exact_heads([3, 1])
+    (1, 3)
+    >>> check_exact_heads(2)
+    Traceback (most recent call last):
+    ...
+    TypeError: exact_heads must be a sequence of query-head indices (e.g. (0, 5)); got 2
+    """
+    if not isinstance(heads, Sequence) or isinstance(heads, str):
+        raise TypeError(
+            f"exact_heads must be a sequence of query-head indices (e.g. (0, 5)); got {heads!r}"
+        )
+    if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in heads):
+        raise ValueError(f"exact_heads must be non-negative integers; got {list(heads)!r}")
+    if len(set(heads)) != len(heads):
+        raise ValueError(f"exact_heads must not repeat a head; got {list(heads)!r}")
+    return tuple(sorted(heads))
+
+
+def exact_heads_decoding_error(heads: tuple[int, ...]) -> ValueError:
+    """Why a layer with exact heads does not decode (the state keeps no keys for them)."""
+    return ValueError(
+        f"a layer with exact heads {heads} cannot continue or return a state: the "
+        "linear-attention state keeps no keys for exact attention; build the layer with "
+        "exact_heads=() to decode"
+    )
 
 
 def fitted_template(

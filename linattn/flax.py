@@ -13,6 +13,7 @@ Importing :mod:`linattn` never imports this module (or JAX, or Flax).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -20,8 +21,8 @@ import numpy as np
 from flax import nnx
 
 from linattn._call import hybrid_options
-from linattn._layer_maps import fitted_template
-from linattn.attention import linear_attention
+from linattn._layer_maps import check_exact_heads, exact_heads_decoding_error, fitted_template
+from linattn.attention import linear_attention, with_exact_heads
 from linattn.features import KINDS, FeatureMap, Kind
 from linattn.jax import fitted_attention
 from linattn.projections import gaussian_projection
@@ -46,15 +47,15 @@ class FastAttention(nnx.Module):
     """Random-feature attention on ``(B, H, L, d)`` arrays (grouped key heads allowed).
 
     Parameters are those of :class:`linattn.torch.FastAttention` (``feature_map=`` a
-    fitted map, ``window``, ``sink_keys`` and ``train_map`` included) without the redraw
-    schedule: call :meth:`redraw_projection` between (jitted) steps to redraw.  With
-    ``train_map=True`` the fitted map's parameters are ``nnx.Param`` variables (the names
-    of the :class:`FittedParameter` ones, so states load either way) and every call runs
-    :func:`linattn.jax.fitted_attention` on them, the far weight used as ``max(g, 0)``:
-    ``nnx.grad`` trains them with the model's own parameters (on the host: see
-    :mod:`linattn.jax`).  Decoding (``state``, ``return_state``) needs a module built
-    with ``train_map=False`` from the trained map (:meth:`sync_projection`, then
-    ``feature_map=module.feature_map``).
+    fitted map, ``window``, ``sink_keys``, ``exact_heads`` and ``train_map`` included)
+    without the redraw schedule: call :meth:`redraw_projection` between (jitted) steps
+    to redraw.  With ``train_map=True`` the fitted map's parameters are ``nnx.Param``
+    variables (the names of the :class:`FittedParameter` ones, so states load either
+    way) and every call runs :func:`linattn.jax.fitted_attention` on them, the far
+    weight used as ``max(g, 0)``: ``nnx.grad`` trains them with the model's own
+    parameters (on the host: see :mod:`linattn.jax`).  Decoding (``state``,
+    ``return_state``) needs a module built with ``train_map=False`` from the trained
+    map (:meth:`sync_projection`, then ``feature_map=module.feature_map``).
 
     Examples
     --------
@@ -98,7 +99,9 @@ class FastAttention(nnx.Module):
         rebalance: bool | None = None,
         chunk_size: int | None = None,
         train_map: bool = False,
+        exact_heads: Sequence[int] = (),
     ) -> None:
+        self.exact_heads = check_exact_heads(exact_heads)
         if not isinstance(train_map, bool):
             raise TypeError(f"train_map must be True or False; got {train_map!r}")
         kind = kind if kind is not None else ("hyperbolic" if causal else "hyperbolic_oprf")
@@ -146,21 +149,29 @@ class FastAttention(nnx.Module):
         broadcasting against ``(B, H, L_k)``)."""
         if key_mask is not None and key_mask.ndim == 2 and q.ndim == 4:
             key_mask = key_mask[:, None, :]
+        if self.exact_heads and (state is not None or return_state):
+            raise exact_heads_decoding_error(self.exact_heads)
         if self.train_map:
-            return self._train_map_call(q, k, v, key_mask, state, return_state)
-        result = linear_attention(
-            q,
-            k,
-            v,
-            self.feature_map,
-            causal=self.causal,
-            key_mask=key_mask,
-            state=state,
-            return_state=return_state,
-            chunk_size=self.chunk_size,
-            **self.hybrid,
-        )
-        return result
+            out = self._train_map_call(q, k, v, key_mask, state, return_state)
+        else:
+            out = linear_attention(
+                q,
+                k,
+                v,
+                self.feature_map,
+                causal=self.causal,
+                key_mask=key_mask,
+                state=state,
+                return_state=return_state,
+                chunk_size=self.chunk_size,
+                **self.hybrid,
+            )
+        if not self.exact_heads:
+            return out
+        return with_exact_heads(
+            out, q, k, v, self.exact_heads, causal=self.causal, key_mask=key_mask,
+            scale=self.feature_map.scale,
+        )  # fmt: skip
 
     def _train_map_call(
         self, q: Any, k: Any, v: Any, key_mask: Any, state: Any, return_state: bool

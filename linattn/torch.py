@@ -19,6 +19,7 @@ Importing :mod:`linattn` never imports this module (or torch).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,8 +30,8 @@ from torch.nn import functional
 from linattn._call import hybrid_options
 from linattn._dispatch import Backend
 from linattn._fitted_call import check_dense_call, dense_hybrid, use_dense
-from linattn._layer_maps import fitted_template
-from linattn.attention import linear_attention
+from linattn._layer_maps import check_exact_heads, exact_heads_decoding_error, fitted_template
+from linattn.attention import linear_attention, with_exact_heads
 from linattn.features import KINDS, FeatureMap, Kind
 from linattn.projections import Norms, gaussian_projection
 from linattn.state import LinearAttentionState
@@ -194,6 +195,11 @@ class FastAttention(nn.Module):
     window, sink_keys : optional
         The exact sliding window and sink keys of the hybrid, passed to
         :func:`linattn.linear_attention` (where it accepts them).
+    exact_heads : sequence of int, default ()
+        Query heads that attend to every key exactly (softmax), the others as above: a
+        converted model's exact heads (:func:`linattn.transfer.exact_heads_of` of its
+        maps' file; :func:`linattn.with_exact_heads`).  Such a layer does not decode (no
+        state keeps their keys).
     redraw_interval : int, optional
         Draw a new projection every this many forward calls made in training mode with
         gradients enabled (calls that recompute a checkpointed activation in the backward
@@ -249,8 +255,10 @@ class FastAttention(nn.Module):
         chunk_size: int | None = None,
         backend: Backend | None = None,
         train_map: bool = False,
+        exact_heads: Sequence[int] = (),
     ) -> None:
         super().__init__()
+        self.exact_heads = check_exact_heads(exact_heads)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be True or False; got {causal!r}")
         if not isinstance(train_map, bool):
@@ -331,9 +339,11 @@ class FastAttention(nn.Module):
         return self._feature_map
 
     def extra_repr(self) -> str:
+        heads = f", exact_heads={self.exact_heads}" if self.exact_heads else ""
         return (
             f"head_dim={self.head_dim}, num_features={self.num_features}, kind={self.kind!r}, "
             f"causal={self.causal}, redraw_interval={self.redraw_interval}, seed={self.seed}"
+            + heads
         )
 
     @torch.no_grad()
@@ -387,9 +397,12 @@ class FastAttention(nn.Module):
         """
         if key_mask is not None and key_mask.ndim == 2 and q.ndim == 4:
             key_mask = key_mask[:, None, :]  # (B, L): one mask per sequence
+        if self.exact_heads and (state is not None or return_state):
+            raise exact_heads_decoding_error(self.exact_heads)
         if self.train_map:
             if torch.is_grad_enabled() and state is None and not return_state:
-                return self._train_map_forward(q, k, v, key_mask, causal)
+                out = self._train_map_forward(q, k, v, key_mask, causal)
+                return self._with_exact_heads(out, q, k, v, key_mask, causal)
             self._sync()  # the map from the parameters' current values
         with torch.autocast(q.device.type, enabled=False):
             result = linear_attention(
@@ -408,8 +421,21 @@ class FastAttention(nn.Module):
         if return_state:
             out, new_state = result
             return out, new_state
-        output: torch.Tensor = result
-        return output
+        return self._with_exact_heads(result, q, k, v, key_mask, causal)
+
+    def _with_exact_heads(
+        self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        key_mask: torch.Tensor | None, causal: bool | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``out`` with the layer's exact heads spliced in (:func:`linattn.with_exact_heads`)."""
+        if not self.exact_heads:
+            return out
+        with torch.autocast(q.device.type, enabled=False):
+            spliced: torch.Tensor = with_exact_heads(
+                out, q, k, v, self.exact_heads, causal=self.causal if causal is None else causal,
+                key_mask=key_mask, scale=self.scale,
+            )  # fmt: skip
+        return spliced
 
     def _train_map_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -102,6 +102,23 @@ def test_a_fitted_map_is_state_that_round_trips() -> None:
     np.testing.assert_allclose(np.asarray(run(other, x)), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_exact_heads_attend_exactly() -> None:
+    """``exact_heads=``: head 1 is softmax attention under nnx.jit, head 0 the hybrid;
+    decoding is refused."""
+    rng = np.random.default_rng(2)
+    fm = la.FeatureMap.fitted(rng.normal(size=(H, D, 3)), tied=True, far_weight=[0.4, 2.0])
+    layer = FastAttention(D, feature_map=fm, window=2, sink_keys=1, exact_heads=[1])
+    x = _x()
+    h = np.asarray(x)
+    hybrid = la.linear_attention(h, h, h, fm, window=2, sink_keys=1)
+    out = np.asarray(nnx.jit(lambda module, y: module(y, y, y))(layer, x))
+    np.testing.assert_allclose(out[:, 0], hybrid[:, 0], rtol=1e-5, atol=1e-6)
+    exact = la.softmax_attention(h[:, 1], h[:, 1], h[:, 1], scale=fm.scale)
+    np.testing.assert_allclose(out[:, 1], exact, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"exact heads \(1,\) cannot continue or return"):
+        layer(x, x, x, return_state=True)
+
+
 def test_train_map_trains_the_fitted_parameters() -> None:
     """``train_map=True``: the fitted parameters are nnx.Param variables under the
     FittedParameter names; the module's output equals the frozen module's (eager and

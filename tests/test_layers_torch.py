@@ -337,6 +337,43 @@ def test_a_fitted_map_is_buffers_that_round_trip() -> None:
         FastAttention(D, feature_map=fm, redraw_interval=2)
 
 
+def test_exact_heads_attend_exactly_and_refuse_to_decode() -> None:
+    """``exact_heads=``: the listed query heads are softmax attention (grouped-query: key
+    head ``h // 2``), the others the layer's hybrid, with a padded key mask; training the
+    map keeps them; decoding and bad heads are refused by name."""
+    rng = np.random.default_rng(4)
+    fm = _fitted_map(rng, [0.3, 1.2])
+    options = {"window": 3, "sink_keys": 1}
+    q = torch.randn(B, 4, L, D, dtype=torch.float64)
+    k, v = (torch.randn(B, 2, L, D, dtype=torch.float64) for _ in range(2))
+    key_mask = torch.ones(B, L, dtype=torch.bool)
+    key_mask[1, -4:] = False
+    hybrid = la.linear_attention(q, k, v, fm, key_mask=key_mask[:, None], **options)
+    for train_map in (False, True):
+        layer = FastAttention(
+            D, feature_map=fm, exact_heads=[3, 1], train_map=train_map, **options
+        )
+        assert layer.exact_heads == (1, 3) and "exact_heads=(1, 3)" in repr(layer)
+        out = layer(q, k, v, key_mask)
+        torch.testing.assert_close(out[:, [0, 2]], hybrid[:, [0, 2]], rtol=1e-12, atol=1e-12)
+        for head in (1, 3):
+            expected = la.softmax_attention(
+                q[:, head], k[:, head // 2], v[:, head // 2], key_mask=key_mask,
+                scale=fm.scale,
+            )  # fmt: skip
+            torch.testing.assert_close(out[:, head], expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"exact heads \(1, 3\) cannot continue or return a"):
+        layer(q, k, v, return_state=True)
+    with pytest.raises(ValueError, match=r"heads must be query heads, integers in \[0, 4\)"):
+        FastAttention(D, feature_map=fm, exact_heads=[4], **options)(q, k, v)
+    with pytest.raises(ValueError, match="exact_heads must not repeat a head"):
+        FastAttention(D, feature_map=fm, exact_heads=[1, 1])
+    with pytest.raises(TypeError, match="exact_heads must be a sequence"):
+        FastAttention(D, feature_map=fm, exact_heads=1)
+    mha = MultiheadAttention(4 * D, 4, feature_map=fm, exact_heads=[0], batch_first=True)
+    assert mha.attention.exact_heads == (0,)
+
+
 def test_train_map_trains_the_fitted_parameters() -> None:
     """``train_map=True``: the fitted parameters are nn.Parameters under the buffers'
     names; with gradients the layer runs ``fitted_attention`` (the same output as the
