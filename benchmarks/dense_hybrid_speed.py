@@ -9,8 +9,13 @@ kernels (``backend="numba"``: ``torch-kernels``, what ran before), best of
 ``--repeats``, in one run; their largest output difference; and torch's exact
 ``scaled_dot_product_attention`` of the same shape, for scale.
 
+``--jax``: the same call on JAX arrays (CPU), jitted, forward and ``jax.grad`` in q, k
+and v, as the plan runs it (``dense-hybrid``) and forced onto the portable parts
+(``backend="array_api"``: ``hybrid-parts``, what ran before); no exact key per row.
+
     python benchmarks/dense_hybrid_speed.py
     python benchmarks/dense_hybrid_speed.py --lengths 128 512 --causal --repeats 20
+    python benchmarks/dense_hybrid_speed.py --jax --causal --lengths 128 256 384 512
 """
 
 from __future__ import annotations
@@ -81,6 +86,54 @@ def measure(length: int, causal: bool, repeats: int, batch: int = 8) -> dict[str
     }  # fmt: skip
 
 
+def measure_jax(length: int, causal: bool, repeats: int, batch: int = 8) -> dict[str, object]:
+    """One length on JAX arrays: milliseconds per path, forward and gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    heads, d, half = 12, 32, 32
+    rng = np.random.default_rng(0)
+    q, k, v = (
+        jnp.asarray(rng.normal(size=(batch, heads, length, d)), dtype=jnp.float32) for _ in "qkv"
+    )
+    mask = np.ones((batch, 1, length), dtype=bool)
+    mask[-1, :, -length // 4 :] = False
+    key_mask = jnp.asarray(mask)
+    weight = np.eye(d)[:, :half] + 0.1 * rng.normal(size=(heads, d, half))
+    bias = 0.1 * rng.normal(size=(heads, half))
+    fm = la.FeatureMap.fitted(
+        weight, bias, key_weight=weight, key_bias=bias, far_weight=np.full(heads, 0.5)
+    )
+    options = {"window": 16, "sink_keys": 1, "causal": causal}
+
+    def attend(backend):  # type: ignore[no-untyped-def]
+        def call(q, k, v, key_mask):  # type: ignore[no-untyped-def]
+            return la.linear_attention(q, k, v, fm, key_mask=key_mask, backend=backend, **options)
+
+        def loss(q, k, v, key_mask):  # type: ignore[no-untyped-def]
+            return jnp.sum(call(q, k, v, key_mask) ** 2)
+
+        return jax.jit(call), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    times = {}
+    for name, backend in (("plan", None), ("parts", "array_api")):
+        forward, gradient = attend(backend)
+        for mode, fn in (("forward", forward), ("grad", gradient)):
+            times[f"{name} {mode}"] = best(
+                lambda fn=fn: jax.block_until_ready(fn(q, k, v, key_mask)), repeats
+            )
+    plan = la.plan_attention(q, k, v, fm, key_mask=key_mask, **options).executor
+    difference = jnp.abs(attend(None)[0](q, k, v, key_mask) - attend("array_api")[0](
+        q, k, v, key_mask)).max()  # fmt: skip
+    return {
+        "L": length, "causal": causal, "plan": plan,
+        **{f"{key} ms": round(t * 1e3, 1) for key, t in times.items()},
+        "parts / plan forward": round(times["parts forward"] / times["plan forward"], 2),
+        "parts / plan grad": round(times["parts grad"] / times["plan grad"], 2),
+        "max |diff|": float(difference),
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 384, 512, 768])
@@ -88,11 +141,13 @@ def main() -> None:
     ap.add_argument("--only-causal", action="store_true", help="causal calls only")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--jax", action="store_true", help="JAX arrays (jitted), not torch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for causal in (True,) if args.only_causal else (False, True) if args.causal else (False,):
         for length in args.lengths:
-            print(measure(length, causal, args.repeats), flush=True)
+            run = measure_jax if args.jax else measure
+            print(run(length, causal, args.repeats), flush=True)
 
 
 if __name__ == "__main__":

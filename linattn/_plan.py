@@ -22,7 +22,7 @@ import numpy as np
 
 from linattn import _decode, _dispatch
 from linattn._call import Call, normalise_call
-from linattn._xp import is_array, is_dask_array
+from linattn._xp import dtype_name, is_array, is_dask_array, is_jax_array
 from linattn.executors import (
     dask_scan,
     decode,
@@ -136,33 +136,43 @@ def _exact_parts_why_not(call: Call) -> str | None:
 
 
 def _dense_hybrid_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """A short self-attention hybrid with a fitted map on torch CPU tensors, as matrix
-    products (torch's fused attention kernel for the near keys), no gradient asked."""
+    """A short self-attention hybrid with a fitted map as matrix products: torch CPU
+    tensors (torch's fused attention kernel for the near keys; no gradient asked) or JAX
+    arrays on the CPU (eager or traced; JAX differentiates it)."""
     if (why := _exact_parts_why_not(call)) is not None:
         return why
     if _asked_backend(call) != "auto":
         return f"backend={_asked_backend(call)!r}"
     fm = call.feature_map
     if fm is None or fm.parameters is None:
-        return "no fitted map (random features keep their scans' per-key stabilisation)"
+        return "no fitted map (random features keep their scans' per-feature stabilisation)"
     if call.state is not None or call.return_state is not False:
         return "a state is asked for or continued"
     arrays = {"q": call.q, "k": call.k, "v": call.v}
+    library = "jax" if all(is_jax_array(x) for x in arrays.values()) else "torch"
+    if library == "jax":
+        import jax
+
+        if jax.default_backend() != "cpu":
+            return f"JAX's default backend is {jax.default_backend()!r} (measured on the CPU)"
+    else:
+        for x in arrays.values():
+            if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
+                return "not torch CPU tensors or JAX arrays"
+            if not all(isinstance(n, int) for n in x.shape):
+                return "symbolic shapes (torch.compile with dynamic shapes)"
+        import torch
+
+        if torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values()):
+            return "a gradient is asked (the compiled kernels' backward serves it)"
     for name, x in arrays.items():
-        if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
-            return "not torch CPU tensors"
-        if not all(isinstance(n, int) for n in x.shape):
-            return "symbolic shapes (torch.compile with dynamic shapes)"
-        if str(x.dtype).removeprefix("torch.") not in ("float32", "float64"):
-            return f"{name} is {str(x.dtype).removeprefix('torch.')}"
-    length, limit = call.q.shape[-2], dense.max_length(bool(call.causal))
+        dtype = dtype_name(x.dtype).removeprefix("torch.")
+        if dtype not in ("float32", "float64"):
+            return f"{name} is {dtype}"
+    length, limit = call.q.shape[-2], dense.max_length(bool(call.causal), library)
     if call.k.shape[-2] != length or length > limit:
         kind = "causal " if call.causal else ""
         return f"not {kind}self-attention of at most {limit} tokens"
-    import torch
-
-    if torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values()):
-        return "a gradient is asked (the compiled kernels' backward serves it)"
     return None
 
 

@@ -339,6 +339,9 @@ def test_jax_jit_and_grad() -> None:
 
                 return attend(q), jax.grad(lambda q: jnp.sum(jg * attend(q)))(q)
 
+            # short calls: the dense form, traced and differentiated by JAX
+            plan = la.plan_attention(jq, jk, jv, fm, causal=causal, **j_options)
+            assert plan.executor == "dense-hybrid"
             out, dq = jax.jit(outputs_and_dq)(jq)
             _close(out, _reference(q, k, v, fm, causal=causal, **options))
             expected = la.linear_attention_vjp(q, k, v, fm, grad, causal=causal, **options)
@@ -944,12 +947,13 @@ def test_the_dense_form_is_chosen_for_short_calls_without_gradients() -> None:
     assert why(q, k, v, backend="array_api") == "backend='array_api'"
     assert why(q, k, v, feature_map=la.FeatureMap(D, N, seed=0)).startswith("no fitted map")
     assert why(q, k, v, causal=True, return_state=True).startswith("a state is asked")
-    assert why(*(x.numpy() for x in (q, k, v))) == "not torch CPU tensors"
+    assert why(*(x.numpy() for x in (q, k, v))) == "not torch CPU tensors or JAX arrays"
     assert why(q.half(), k.half(), v.half()) == "q is float16"
-    long = [torch.zeros(1, 2, dense.MAX_LENGTH + 1, D) for _ in range(3)]
-    assert why(*long) == f"not self-attention of at most {dense.MAX_LENGTH} tokens"
-    assert why(*(x[..., : dense.MAX_LENGTH, :] for x in long)) is None
-    limit = dense.CAUSAL_MAX_LENGTH
+    top = dense.MAX_LENGTH["torch"]
+    long = [torch.zeros(1, 2, top + 1, D) for _ in range(3)]
+    assert why(*long) == f"not self-attention of at most {top} tokens"
+    assert why(*(x[..., :top, :] for x in long)) is None
+    limit = dense.CAUSAL_MAX_LENGTH["torch"]
     assert why(*(x[..., :limit, :] for x in long), causal=True) is None
     assert why(*(x[..., : limit + 1, :] for x in long), causal=True) == (
         f"not causal self-attention of at most {limit} tokens"
@@ -957,6 +961,32 @@ def test_the_dense_form_is_chosen_for_short_calls_without_gradients() -> None:
     assert why(q, k[..., :5, :], v[..., :5, :], causal=True) == (
         f"not causal self-attention of at most {limit} tokens"
     )
+
+
+@pytest.mark.needs("jax")
+def test_the_dense_form_serves_short_jax_calls() -> None:
+    """JAX arrays on the CPU take the dense form up to their own measured lengths (its
+    outputs and gradients: ``test_jax_jit_and_grad``), longer ones the portable parts."""
+    jax = pytest.importorskip("jax")
+    from linattn.hybrid import dense
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the JAX limits are measured on the CPU")
+    rng = np.random.default_rng(13)
+    fm = _map(rng, 2, 2, [0.5, 0.6])
+    for causal in (False, True):
+        top = dense.max_length(causal, "jax")
+        x = jax.numpy.zeros((1, 2, top + 1, D))
+        plan = la.plan_attention(x, x, x, fm, causal=causal, **HYBRID)
+        kind = "causal " if causal else ""
+        assert dict(plan.rejected)["dense-hybrid"] == (
+            f"not {kind}self-attention of at most {top} tokens"
+        )
+        assert plan.executor == "hybrid-parts"
+        short = x[..., :top, :]
+        assert la.plan_attention(short, short, short, fm, causal=causal, **HYBRID).executor == (
+            "dense-hybrid"
+        )
 
 
 def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:

@@ -1,6 +1,7 @@
-"""A short self-attention hybrid as ``L x L`` weights per head, in matrix products
-(:func:`linattn.hybrid.dense.dense_attention`: torch's fused attention kernel for the near
-keys, one product of the fitted features for the far keys)."""
+"""A short self-attention hybrid with a fitted map as ``L x L`` weights per head, in
+matrix products (:func:`linattn.hybrid.dense.dense_attention`: torch's fused attention
+kernel or the array API's softmax for the near keys, one product of the fitted features
+for the far keys); torch CPU tensors and JAX arrays, as :mod:`linattn._plan` decides."""
 
 from __future__ import annotations
 
