@@ -9,6 +9,9 @@ kernels (``backend="numba"``: ``torch-kernels``, what ran before), best of
 ``--repeats``, in one run; their largest output difference; and torch's exact
 ``scaled_dot_product_attention`` of the same shape, for scale.
 
+``--grad``: forward and backward in q, k and v (the kernels' custom operators'
+backward against torch's autograd through the dense form).
+
 ``--jax``: the same call on JAX arrays (CPU), jitted, forward and ``jax.grad`` in q, k
 and v, as the plan runs it (``dense-hybrid``) and forced onto the portable parts
 (``backend="array_api"``: ``hybrid-parts``, what ran before); no exact key per row.
@@ -39,11 +42,17 @@ def best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return min(times)
 
 
-def measure(length: int, causal: bool, repeats: int, batch: int = 8) -> dict[str, object]:
-    """One length: milliseconds per path, the kernels' time over the dense form's."""
+def measure(
+    length: int, causal: bool, repeats: int, batch: int = 8, grad: bool = False
+) -> dict[str, object]:
+    """One length: milliseconds per path, the kernels' time over the dense form's;
+    ``grad``: forward and backward in q, k and v."""
     heads, d, half = 12, 32, 32
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, length, d, generator=generator) for _ in "qkv")
+    q, k, v = (
+        torch.randn(batch, heads, length, d, generator=generator).requires_grad_(grad)
+        for _ in "qkv"
+    )
     key_mask = torch.ones(batch, 1, length, dtype=torch.bool)
     key_mask[-1, :, -length // 4 :] = False
     rng = np.random.default_rng(0)
@@ -60,29 +69,34 @@ def measure(length: int, causal: bool, repeats: int, batch: int = 8) -> dict[str
         exact[:, :, length // 2] = True
         options["exact_key_mask"] = exact
     plan = la.plan_attention(q, k, v, fm, **options).executor
-    with torch.inference_mode():
-        dense = best(lambda: la.linear_attention(q, k, v, fm, **options), repeats)
-        kernels = best(
-            lambda: la.linear_attention(q, k, v, fm, backend="numba", **options), repeats
+    cotangent = torch.randn(batch, heads, length, d, generator=generator)
+
+    def run(call):  # type: ignore[no-untyped-def]
+        if not grad:
+            with torch.inference_mode():
+                return call()
+        return torch.autograd.grad((call() * cotangent).sum(), [q, k, v])
+
+    def sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=key_mask[:, :, None, :], is_causal=False
         )
-        sdpa = best(
-            lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=key_mask[:, :, None, :], is_causal=False
-            ),
-            repeats,
-        )
-        difference = (
-            (
-                la.linear_attention(q, k, v, fm, **options)
-                - la.linear_attention(q, k, v, fm, backend="numba", **options)
-            )
-            .abs()
-            .max()
-        )
+
+    def planned() -> torch.Tensor:
+        return la.linear_attention(q, k, v, fm, **options)
+
+    def kernels() -> torch.Tensor:
+        return la.linear_attention(q, k, v, fm, backend="numba", **options)
+
+    times = {name: best(lambda f=f: run(f), repeats) for name, f in
+             (("plan", planned), ("kernels", kernels), ("sdpa", sdpa))}  # fmt: skip
+    with torch.set_grad_enabled(grad):  # (the plan differs with and without)
+        difference = (planned() - kernels()).detach().abs().max()
     return {
-        "L": length, "causal": causal, "plan": plan, "plan ms": round(dense * 1e3, 2),
-        "kernels ms": round(kernels * 1e3, 2), "kernels / plan": round(kernels / dense, 2),
-        "sdpa ms": round(sdpa * 1e3, 2), "max |diff|": float(difference),
+        "L": length, "causal": causal, "grad": grad, "plan": plan,
+        "plan ms": round(times["plan"] * 1e3, 2), "kernels ms": round(times["kernels"] * 1e3, 2),
+        "kernels / plan": round(times["kernels"] / times["plan"], 2),
+        "sdpa ms": round(times["sdpa"] * 1e3, 2), "max |diff|": float(difference),
     }  # fmt: skip
 
 
@@ -142,12 +156,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--jax", action="store_true", help="JAX arrays (jitted), not torch")
+    ap.add_argument(
+        "--grad", action="store_true", help="torch: forward and backward in q, k and v"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for causal in (True,) if args.only_causal else (False, True) if args.causal else (False,):
         for length in args.lengths:
-            run = measure_jax if args.jax else measure
-            print(run(length, causal, args.repeats), flush=True)
+            if args.jax:
+                print(measure_jax(length, causal, args.repeats), flush=True)
+            else:
+                print(measure(length, causal, args.repeats, grad=args.grad), flush=True)
 
 
 if __name__ == "__main__":

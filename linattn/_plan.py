@@ -137,8 +137,8 @@ def _exact_parts_why_not(call: Call) -> str | None:
 
 def _dense_hybrid_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
     """A short self-attention hybrid with a fitted map as matrix products: torch CPU
-    tensors (torch's fused attention kernel for the near keys; no gradient asked) or JAX
-    arrays on the CPU (eager or traced; JAX differentiates it)."""
+    tensors (torch's fused attention kernel for the near keys; autograd differentiates
+    it) or JAX arrays on the CPU (eager or traced; JAX differentiates it)."""
     if (why := _exact_parts_why_not(call)) is not None:
         return why
     if _asked_backend(call) != "auto":
@@ -149,12 +149,12 @@ def _dense_hybrid_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
     if call.state is not None or call.return_state is not False:
         return "a state is asked for or continued"
     arrays = {"q": call.q, "k": call.k, "v": call.v}
-    library = "jax" if all(is_jax_array(x) for x in arrays.values()) else "torch"
-    if library == "jax":
+    if all(is_jax_array(x) for x in arrays.values()):
         import jax
 
         if jax.default_backend() != "cpu":
             return f"JAX's default backend is {jax.default_backend()!r} (measured on the CPU)"
+        kind = "jax"
     else:
         for x in arrays.values():
             if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
@@ -163,16 +163,17 @@ def _dense_hybrid_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
                 return "symbolic shapes (torch.compile with dynamic shapes)"
         import torch
 
-        if torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values()):
-            return "a gradient is asked (the compiled kernels' backward serves it)"
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values())
+        kind = "torch-grad" if grad else "torch"
     for name, x in arrays.items():
         dtype = dtype_name(x.dtype).removeprefix("torch.")
         if dtype not in ("float32", "float64"):
             return f"{name} is {dtype}"
-    length, limit = call.q.shape[-2], dense.max_length(bool(call.causal), library)
+    length, limit = call.q.shape[-2], dense.max_length(bool(call.causal), kind)
     if call.k.shape[-2] != length or length > limit:
-        kind = "causal " if call.causal else ""
-        return f"not {kind}self-attention of at most {limit} tokens"
+        what = ("causal " if call.causal else "") + "self-attention"
+        grad_note = " with a gradient" if kind == "torch-grad" else ""
+        return f"not {what} of at most {limit} tokens{grad_note}"
     return None
 
 

@@ -284,6 +284,7 @@ def test_torch_outputs_gradients_and_kernels() -> None:
     q, k, v = _inputs(rng, 4, 2)
     grad = rng.normal(size=(1, 4, 9, DV))
     seen = set()
+    kernels = _dispatch.numpy_kernels_why_not() is None
     for causal in (True, False):
         for options in _options(causal):
             expected = _reference(q, k, v, fm, causal=causal, **options)
@@ -292,7 +293,8 @@ def test_torch_outputs_gradients_and_kernels() -> None:
                 name: torch.tensor(x) if isinstance(x, np.ndarray) else x
                 for name, x in options.items()
             }
-            for backend in (None, "array_api"):
+            backends = (None, "array_api") + (("numba",) if kernels else ())
+            for backend in backends:
                 tensors = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
                 plan = la.plan_attention(*tensors, fm, causal=causal, backend=backend, **t_options)
                 seen.add(plan.executor)
@@ -303,8 +305,10 @@ def test_torch_outputs_gradients_and_kernels() -> None:
                 (out * torch.tensor(grad)).sum().backward()
                 for tensor, expected_grad in zip(tensors, vjp, strict=True):
                     _close(tensor.grad.numpy(), expected_grad)
-    # Torch CPU tensors with exact parts run the compiled kernels (forward and backward).
-    if _dispatch.numpy_kernels_why_not() is None:
+    # Short torch CPU tensors with exact parts run the dense form (autograd); asked for
+    # the kernels, the compiled kernels (forward and backward: longer calls' path).
+    assert "dense-hybrid" in seen
+    if kernels:
         assert "torch-kernels" in seen
     # float32 on the kernels: rounding of float32.
     t32 = [torch.tensor(a, dtype=torch.float32) for a in (q, k, v)]
@@ -631,8 +635,8 @@ def test_the_dense_form_is_linear_attention() -> None:
 def test_torch_fitted_attention_differentiates_the_parameters() -> None:
     """``linattn.torch.fitted_attention``: torch autograd in q, k, v and every parameter
     equals ``linear_attention_vjp(parameters=True)`` (held to finite differences above),
-    in the dense form (autograd) and on the library's path (``_FittedAttention``: the
-    compiled kernels and the array-API path); a ``g = 0`` head's far weight gets 0, a
+    in the dense form (autograd) and on the library's path (``_FittedAttention``:
+    linear_attention's plan forward, the array-API path); a ``g = 0`` head's far weight gets 0, a
     tensor that does not require gradients none."""
     torch = pytest.importorskip("torch")
     from linattn.torch import fitted_attention
@@ -682,8 +686,8 @@ def test_torch_fitted_attention_differentiates_the_parameters() -> None:
                 tensor.grad = None
         if options.get("exact_key_mask") is not None:  # the g = 0 head chose the exact parts
             assert expected["far_weight"][0] == 0.0 and expected["far_weight"][1] != 0.0
-    if _dispatch.numpy_kernels_why_not() is None:
-        assert "torch-kernels" in seen
+    # (the library's path forward at 5 tokens: the dense executor of linear_attention)
+    assert "dense-hybrid" in seen
     # Only what requires gradients gets one; float32 parameters get float32 gradients.
     fm, heads, kv_heads, options = cases[1]
     q, k, v = (torch.tensor(a, dtype=torch.float32) for a in _inputs(rng, heads, kv_heads, 5))
@@ -924,7 +928,7 @@ def test_short_torch_calls_run_dense_and_match_the_reference(monkeypatch) -> Non
     _close(out.numpy(), _reference(q, k, v, fm, causal=False, **HYBRID), 1e-5)
 
 
-def test_the_dense_form_is_chosen_for_short_calls_without_gradients() -> None:
+def test_the_dense_form_is_chosen_for_short_calls() -> None:
     """Where ``dense-hybrid`` does not serve, the plan says why (and the compiled kernels
     or the portable parts run, as before)."""
     torch = pytest.importorskip("torch")
@@ -940,9 +944,7 @@ def test_the_dense_form_is_chosen_for_short_calls_without_gradients() -> None:
 
     assert why(q, k, v) is None
     assert why(q, k, v, causal=True) is None
-    with torch.no_grad():
-        assert why(q.requires_grad_(), k, v) is None
-    assert why(q, k, v).startswith("a gradient is asked")
+    assert why(q.requires_grad_(), k, v) is None  # autograd differentiates it
     q = q.detach()
     assert why(q, k, v, backend="array_api") == "backend='array_api'"
     assert why(q, k, v, feature_map=la.FeatureMap(D, N, seed=0)).startswith("no fitted map")
@@ -960,6 +962,12 @@ def test_the_dense_form_is_chosen_for_short_calls_without_gradients() -> None:
     )
     assert why(q, k[..., :5, :], v[..., :5, :], causal=True) == (
         f"not causal self-attention of at most {limit} tokens"
+    )
+    top = dense.CAUSAL_MAX_LENGTH["torch-grad"]  # with a gradient: its own limits
+    grad = [torch.zeros(1, 2, top + 1, D, requires_grad=True) for _ in range(3)]
+    assert why(*(x[..., :top, :] for x in grad), causal=True) is None
+    assert why(*grad, causal=True) == (
+        f"not causal self-attention of at most {top} tokens with a gradient"
     )
 
 

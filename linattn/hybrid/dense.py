@@ -53,28 +53,35 @@ __all__ = [
     "near_and_far",
 ]
 
-#: The longest bidirectional self-attention the plan gives the dense form, per array
-#: library, measured on MiniLM's shape (batch 8, 12 heads, d = 32, m = 64, window 16 + 1
-#: sink), one run each on this project's 2-core CPU (``python
-#: benchmarks/dense_hybrid_speed.py``, ``--jax``):
+#: The longest bidirectional self-attention the plan gives the dense form, per kind of
+#: call, measured on MiniLM's shape (batch 8, 12 heads, d = 32, m = 64, window 16 + 1
+#: sink, the last batch row a quarter padded), one run each on this project's 2-core
+#: CPU (``python benchmarks/dense_hybrid_speed.py``, ``--grad``, ``--jax``):
 #:
-#: - torch CPU tensors, no gradient (an exact key per row too), against the one-pass
-#:   hybrid kernels: they took 4.1x / 2.9x / 1.6x / 1.2x / 1.2x the dense form's time at
-#:   64 / 128 / 256 / 384 / 512 tokens;
-#: - JAX arrays, jitted, against the portable parts: 3.9x / 1.9x / 1.4x / 1.1x / 0.92x
-#:   the dense form's forward time at 128 / 192 / 256 / 384 / 512 tokens, 2.6x / 2.1x /
-#:   1.8x / 1.3x / 0.95x its gradient's.
+#: - ``"torch"``: torch CPU tensors, no gradient (an exact key per row too), against the
+#:   one-pass hybrid kernels: they took 4.1x / 2.9x / 1.6x / 1.2x / 1.2x the dense
+#:   form's time at 64 / 128 / 256 / 384 / 512 tokens;
+#: - ``"torch-grad"``: the same, forward and backward in q, k and v (the kernels' custom
+#:   operators' backward against autograd through the dense form, ``--grad``): they took
+#:   10.4x / 7.8x / 4.7x / 3.2x / 2.6x the dense form's time at 64 / 128 / 256 / 384 /
+#:   512 tokens; autograd keeps several ``L x L`` arrays per head until the backward
+#:   pass (peak resident memory at 512 tokens 1.2 GiB against the kernels' 0.76 GiB);
+#: - ``"jax"``: JAX arrays, jitted, against the portable parts: 3.9x / 1.9x / 1.4x /
+#:   1.1x / 0.92x the dense form's forward time at 128 / 192 / 256 / 384 / 512 tokens,
+#:   2.6x / 2.1x / 1.8x / 1.3x / 0.95x its gradient's.
 #:
-#: The dense form also holds ``L x L`` weights per head, in blocks of batch rows
-#: (:data:`BLOCK_ELEMENTS`).
-MAX_LENGTH = {"torch": 512, "jax": 384}
+#: The dense form holds ``L x L`` weights per head, in blocks of batch rows
+#: (:data:`BLOCK_ELEMENTS`) where nothing is differentiated.
+MAX_LENGTH = {"torch": 512, "torch-grad": 512, "jax": 384}
 
 #: The same for causal calls, whose dense form computes the weights after each query too
 #: (and zeroes them).  torch: the kernels took 1.5x / 1.3x / 1.3x / 1.0x / 0.84x the
 #: dense form's time at 128 / 160 / 192 / 224 / 256 tokens (``--only-causal --lengths
-#: 128 160 192 224 256``); JAX: the parts took 1.64x / 1.01x / 1.0x its forward time at
-#: 128 / 192 / 256 tokens, 1.51x / 1.32x / 0.99x its gradient's (``--jax --causal``).
-CAUSAL_MAX_LENGTH = {"torch": 192, "jax": 192}
+#: 128 160 192 224 256``); with a gradient 6.1x / 4.5x / 3.5x / 1.8x / 1.5x at 64 / 128
+#: / 192 / 384 / 512 (peak memory at 512 tokens 1.6 GiB against 0.74 GiB); JAX: the
+#: parts took 1.64x / 1.01x / 1.0x its forward time at 128 / 192 / 256 tokens, 1.51x /
+#: 1.32x / 0.99x its gradient's (``--jax --causal``).
+CAUSAL_MAX_LENGTH = {"torch": 192, "torch-grad": 512, "jax": 192}
 
 #: About how many ``L x L`` weights the dense form holds at once: rows of the batch are
 #: computed in blocks of at most this many weights (at least one row), which keeps the
@@ -82,11 +89,11 @@ CAUSAL_MAX_LENGTH = {"torch": 192, "jax": 192}
 BLOCK_ELEMENTS = 1 << 22
 
 
-def max_length(causal: bool, library: str) -> int:
-    """The longest self-attention the plan gives the dense form for arrays of ``library``
-    (``"torch"`` or ``"jax"``): the measured crossovers :data:`MAX_LENGTH` and
+def max_length(causal: bool, kind: str) -> int:
+    """The longest self-attention the plan gives the dense form for a ``kind`` of call
+    (``"torch"``, ``"torch-grad"`` or ``"jax"``): :data:`MAX_LENGTH` and
     :data:`CAUSAL_MAX_LENGTH`."""
-    return (CAUSAL_MAX_LENGTH if causal else MAX_LENGTH)[library]
+    return (CAUSAL_MAX_LENGTH if causal else MAX_LENGTH)[kind]
 
 
 def dense_attention(
