@@ -1,5 +1,5 @@
 """The hybrid of a short self-attention call with a fitted map, as ``L x L`` weights per
-head in matrix products instead of scans (``docs/algorithm.md``, section 17).
+head in matrix products instead of scans (``docs/algorithm.md``, section 18).
 
 Up to a few hundred tokens the hybrid's work is about exact attention's, and its scans
 and banded loops run far below the speed of a matrix product.  Here both parts are
