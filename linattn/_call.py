@@ -365,29 +365,13 @@ def check_exact_call(
 
 
 def exact_parts_call(
-    q: Array,
-    k: Array,
-    v: Array,
-    feature_map: FeatureMap | None,
-    *,
-    causal: bool,
-    key_mask: Array | None,
-    state: LinearAttentionState | None,
-    return_state: bool,
-    chunk_size: int | None,
-    plan: _dispatch.Plan,
-    window: int | None,
-    sink_keys: int,
-    exact_key_mask: Array | None,
-    scale: float | None,
-    extra: dict[str, Array] | None = None,
-) -> ExactPartsCall:
-    """Check a call with exact parts and build its parts (shared with the VJP)."""
-    c = check_exact_call(
-        q, k, v, feature_map, causal=causal, key_mask=key_mask, state=state,
-        return_state=return_state, chunk_size=chunk_size, plan=plan, window=window,
-        sink_keys=sink_keys, exact_key_mask=exact_key_mask, scale=scale, extra=extra,
-    )  # fmt: skip
+    q: Array, k: Array, v: Array, feature_map: FeatureMap | None, *, plan: _dispatch.Plan,
+    **options: Any,
+) -> ExactPartsCall:  # fmt: skip
+    """Check a call with exact parts and build its parts (shared with the VJP);
+    ``options`` are :func:`check_exact_call`'s."""
+    c = check_exact_call(q, k, v, feature_map, plan=plan, **options)
+    causal, state = options["causal"], options["state"]
     fields: dict[str, Any] = {}
     xp = c.info.xp
     if causal:

@@ -342,15 +342,19 @@ def pairs_projection(xp: Namespace, p: FittedParameters, x: Array, role: object)
     return xp.matmul(x, _moved(xp, w, x)) + _moved(xp, b, x)
 
 
-def log_far_weight(p: FittedParameters) -> np.ndarray:
-    """``log g`` with :data:`ZERO_FAR_LOG` for ``g = 0``."""
+def log_far_weight(p: FittedParameters, zero: float = ZERO_FAR_LOG) -> np.ndarray:
+    """``log g``, ``zero`` for ``g = 0`` (:data:`ZERO_FAR_LOG`: finite, for the paths
+    that add it to key log-features; ``-inf`` for those that keep the far part apart)."""
     g = p.far_weight
-    return np.where(g > 0, np.log(np.where(g > 0, g, 1.0)), ZERO_FAR_LOG)
+    return np.where(g > 0, np.log(np.where(g > 0, g, 1.0)), zero)
 
 
-def far_log_shift(xp: Namespace, p: FittedParameters, x: Array) -> Array | float:
-    """``log g`` shaped to add to key log-features ``(..., L, m)``."""
-    lg = log_far_weight(p)
+def far_log_shift(
+    xp: Namespace, p: FittedParameters, x: Array, *, zero: float = ZERO_FAR_LOG
+) -> Array | float:
+    """``log g`` (:func:`log_far_weight`) shaped to add to key log-features ``(..., L,
+    m)``."""
+    lg = log_far_weight(p, zero)
     if lg.ndim == 0:
         return float(lg)
     shaped = _per_head(lg[..., None], x, "far_weight", vector=True)

@@ -134,21 +134,35 @@ def dense_attention(
     for n in batch[1:]:
         per_row *= n
     step = max(1, BLOCK_ELEMENTS // (per_row * q.shape[-2] ** 2))
-    if len(batch) == 0 or batch[0] <= step:
-        return _dense_block(xp, q, k, v, key_mask, exact, feature_map, causal, scale)
+    if len(batch) and batch[0] > step:  # in blocks of batch rows, each one call of this
 
-    def rows_of(mask: Array | None, rows: slice) -> Array | None:  # (may broadcast along)
-        if mask is None or mask.ndim < len(batch) + 1 or mask.shape[0] == 1:
-            return mask
-        return mask[rows, ...]
+        def rows_of(mask: Array | None, rows: slice) -> Array | None:  # (may broadcast)
+            if mask is None or mask.ndim < len(batch) + 1 or mask.shape[0] == 1:
+                return mask
+            return mask[rows, ...]
 
-    blocks = []
-    for start in range(0, batch[0], step):
-        rows = slice(start, start + step)
-        part = ExactParts(exact.window, exact.sink_keys, rows_of(exact.exact_key_mask, rows))
-        block = (q[rows, ...], k[rows, ...], v[rows, ...], rows_of(key_mask, rows))
-        blocks.append(_dense_block(xp, *block, part, feature_map, causal, scale))
-    return xp.concat(blocks, axis=0)
+        blocks = []
+        for start in range(0, batch[0], step):
+            rows = slice(start, start + step)
+            part = ExactParts(exact.window, exact.sink_keys, rows_of(exact.exact_key_mask, rows))
+            block = (q[rows, ...], k[rows, ...], v[rows, ...], rows_of(key_mask, rows))
+            out = dense_attention(xp, *block, part, feature_map, causal=causal, scale=scale)
+            blocks.append(out)
+        return xp.concat(blocks, axis=0)
+    mask = exact.exact_key_mask
+    near, far = near_and_far(
+        xp, q.shape[-2], array_device(q), causal=causal, window=exact.window,
+        sink_keys=exact.sink_keys, real=None if key_mask is None else key_mask[..., None, :],
+        exact=None if mask is None else mask[..., None, :],
+    )  # fmt: skip
+    p = None if feature_map is None else feature_map.parameters
+    if p is None:
+        return _softmax_lse(xp, q, k, v, near, scale)[0]
+    phi_q = softmax(xp, fitted.pairs_projection(xp, p, q, "query"))
+    phi_k = softmax(xp, fitted.pairs_projection(xp, p, k, "key"))
+    log_g = fitted.far_log_shift(xp, p, k, zero=-math.inf)  # g = 0: no far part at all
+    log_g = log_g if isinstance(log_g, float) else log_g[..., 0]  # against (..., L)
+    return hybrid_from_features(xp, q, k, v, phi_q, phi_k, log_g, near, far, scale)
 
 
 def near_and_far(
@@ -182,38 +196,6 @@ def near_and_far(
     if exact is not None:
         near = near | (exact & real & seen)
     return near, seen & real & ~near
-
-
-def _dense_block(
-    xp: Namespace,
-    q: Array,
-    k: Array,
-    v: Array,
-    key_mask: Array | None,
-    exact: ExactParts,
-    feature_map: FeatureMap | None,
-    causal: bool,
-    scale: float,
-) -> Array:
-    """:func:`dense_attention` on one block of batch rows."""
-    mask = exact.exact_key_mask
-    near, far = near_and_far(
-        xp, q.shape[-2], array_device(q), causal=causal, window=exact.window,
-        sink_keys=exact.sink_keys, real=None if key_mask is None else key_mask[..., None, :],
-        exact=None if mask is None else mask[..., None, :],
-    )  # fmt: skip
-    p = None if feature_map is None else feature_map.parameters
-    if p is None:
-        return _softmax_lse(xp, q, k, v, near, scale)[0]
-    phi_q = softmax(xp, fitted.pairs_projection(xp, p, q, "query"))
-    phi_k = softmax(xp, fitted.pairs_projection(xp, p, k, "key"))
-    log_g = fitted.far_log_shift(xp, p, k)  # a float, or (..., 1, 1) per head
-    log_g = log_g if isinstance(log_g, float) else log_g[..., 0]
-    if isinstance(log_g, float):
-        log_g = -math.inf if log_g == fitted.ZERO_FAR_LOG else log_g
-    else:  # g = 0: no far keys at all
-        log_g = xp.where(log_g > fitted.ZERO_FAR_LOG, log_g, constant(xp, -math.inf, log_g))
-    return hybrid_from_features(xp, q, k, v, phi_q, phi_k, log_g, near, far, scale)
 
 
 def hybrid_from_features(
