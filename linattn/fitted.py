@@ -361,11 +361,32 @@ def far_log_shift(
     return _moved(xp, shaped, x)
 
 
-def kernel_parameters(p: FittedParameters, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+def far_keys_on(xp: Namespace, p: FittedParameters, x: Array) -> Array | None:
+    """Which key heads have far keys (``g > 0``), shaped like a key mask of keys ``x``
+    (``(..., L)``, the head axis where ``x`` has it); ``None`` where every head has.
+
+    A head with ``g = 0`` is the exact parts alone: its far keys are *absent*, not
+    weighted by ``exp(ZERO_FAR_LOG)``, which a row without near keys would normalise
+    back to the far keys' mean.
+    """
+    on = p.far_weight > 0
+    if np.all(on):
+        return None
+    if on.ndim == 0:
+        return xp.zeros(tuple(x.shape[:-1]), dtype=xp.bool, device=array_device(x))
+    shaped = _per_head(on[..., None].astype(np.float64), x, "far_weight", vector=True)
+    return _moved(xp, shaped, x)[..., 0] > 0
+
+
+def kernel_parameters(
+    p: FittedParameters, shape: tuple[int, ...], *, zero: float = ZERO_FAR_LOG
+) -> dict[str, np.ndarray]:
     """The parameters as the compiled hybrid kernels take them, for inputs of ``shape``
     ``(..., L, d)``: each broadcast to the batch axes ``shape[:-2]`` (weights ``(..., d,
-    m/2)``, biases ``(..., m/2)``, ``key_shift`` ``(...)``, the key heads' ``log g``);
-    heads that do not meet ``shape`` raise as :func:`log_features` does."""
+    m/2)``, biases ``(..., m/2)``, ``key_shift`` ``(...)``, the key heads' ``log g``,
+    ``zero`` for ``g = 0``: ``-inf`` for the hybrid kernels, where the far keys of such
+    a head are absent, as :func:`far_keys_on` has them); heads that do not meet
+    ``shape`` raise as :func:`log_features` does."""
     like = np.broadcast_to(np.empty((), dtype=bool), shape)
     batch = tuple(shape[:-2])
     out: dict[str, np.ndarray] = {}
@@ -376,7 +397,7 @@ def kernel_parameters(p: FittedParameters, shape: tuple[int, ...]) -> dict[str, 
         out[f"{role}_weight"] = np.broadcast_to(w, (*batch, *w.shape[-2:]))
         b = b.reshape((*tuple(b.shape)[:-2], b.shape[-1]))  # the unit L axis dropped
         out[f"{role}_bias"] = np.broadcast_to(b, (*batch, b.shape[-1]))
-    shift = _per_head(log_far_weight(p)[..., None], like, "far_weight", vector=True)
+    shift = _per_head(log_far_weight(p, zero)[..., None], like, "far_weight", vector=True)
     out["key_shift"] = np.broadcast_to(shift.reshape(tuple(shift.shape)[:-2]), batch)
     return out
 

@@ -24,6 +24,7 @@ from linattn.fitted import ZERO_FAR_LOG
 D, N, DV = 4, 6, 3  # head_dim, features (N / 2 columns of W), value dim
 EXACT_MASK = np.array([False, False, False, False, False, True, False, False, False])
 HYBRID = {"window": 2, "sink_keys": 1}
+EXACT_7 = np.arange(9) == 7
 
 
 # -- the reference ---------------------------------------------------------------------
@@ -144,6 +145,56 @@ def test_numpy_paths_match_the_dense_reference() -> None:
     assert ({"numba-cpu", "array-api"} if kernels else {"array-api"}) <= scans
     fused = {"fused-causal", "fused-bidirectional", "hybrid-causal-fused", "hybrid-window-fused"}
     assert ({"portable", *fused} if kernels else {"portable", "hybrid-parts"}) <= executors
+
+
+def test_a_zero_far_weight_head_without_near_keys_outputs_zeros() -> None:
+    """``g = 0`` is the exact parts alone on every path: a query whose near keys are all
+    masked gets zeros in that head (not the far keys' mean, as ``exp(ZERO_FAR_LOG)``
+    weights normalised back), its far keys no gradient; the other heads see them.  Per
+    head and grouped-query; NumPy (kernels and portable), states, torch (dense, portable,
+    kernels) with gradients."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(12)
+    key_mask = np.ones((1, 1, 9), dtype=bool)
+    key_mask[..., 6:] = key_mask[..., 0] = False  # query 8: far keys only
+    kernels = _dispatch.numpy_kernels_why_not() is None
+    torch_backends = (None, "array_api") + (("numba",) if kernels else ())
+    for heads, far_weight in ((2, [0.0, 0.6]), (4, [1.7, 0.0])):
+        fm = _map(rng, heads, 2, far_weight)
+        q, k, v = _inputs(rng, heads, 2)
+        off = far_weight.index(0.0)  # query heads reading the key head with g = 0, another
+        zero, other = off * (heads // 2), (1 - off) * (heads // 2)
+        for causal in (True, False):
+            # the sink (and the exact key) masked from every query, the window from query 8
+            hidden = [{"sink_keys": 1}] + ([] if causal else [{"exact_key_mask": EXACT_7}])
+            for options in (HYBRID, *hidden):
+                options = {**options, "causal": causal, "key_mask": key_mask}
+                expected = _reference(q, k, v, fm, **options)
+                assert np.all(expected[:, zero, 8] == 0) and np.all(expected[:, other, 8])
+                for backend in (None, "array_api"):
+                    _close(la.linear_attention(q, k, v, fm, backend=backend, **options), expected)
+                    if causal:  # in pieces, through the state (the last piece decoded)
+                        outs, state = [], None
+                        for t in (slice(0, 4), slice(4, 8), slice(8, 9)):
+                            out, state = la.linear_attention(
+                                *(a[..., t, :] for a in (q, k, v)), fm, state=state,
+                                return_state=True, backend=backend,
+                                **{**options, "key_mask": key_mask[..., t]},
+                            )  # fmt: skip
+                            outs.append(out)
+                        _close(np.concatenate(outs, axis=-2), expected)
+                grad = rng.normal(size=expected.shape)
+                vjp = la.linear_attention_vjp(q, k, v, fm, grad, **options)
+                t_options = {**options, "key_mask": torch.tensor(key_mask)}
+                if "exact_key_mask" in options:
+                    t_options["exact_key_mask"] = torch.tensor(EXACT_7)
+                for backend in torch_backends:
+                    tensors = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+                    out = la.linear_attention(*tensors, fm, backend=backend, **t_options)
+                    _close(out.detach().numpy(), expected)
+                    (out * torch.tensor(grad)).sum().backward()
+                    for tensor, expected_grad in zip(tensors, vjp, strict=True):
+                        _close(tensor.grad.numpy(), expected_grad)
 
 
 def test_float32_plain_attention_with_a_zero_far_weight() -> None:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from linattn import _dispatch
+from linattn import _dispatch, fitted
 from linattn import causal as causal_path
 from linattn._adjoints import bidirectional_vjp, causal_vjp
 from linattn._xp import Array, Namespace, array_device, constant
@@ -170,6 +170,9 @@ class FarPart(Part):
         fm, stats = self.feature_map, self.statistics
         log_phi_q, sign_q = fm.signed_log_features(q, role="query", statistics=stats)
         log_phi_k, sign_k = fm.signed_log_features(k, role="key", statistics=stats)
+        if fm.parameters is not None:  # a g = 0 head has no far keys
+            on = fitted.far_keys_on(xp, fm.parameters, k)
+            keep = keep if on is None else xp.logical_and(keep, on)
         log_phi_k = xp.where(keep[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
         return log_phi_q, sign_q, log_phi_k, sign_k
 

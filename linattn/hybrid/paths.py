@@ -5,6 +5,7 @@ adjoint of the merge (:func:`parts_vjp`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from linattn import _dispatch, fitted
@@ -111,7 +112,7 @@ def _far_map_arrays(
     if fm.parameters is None:
         return (*_dispatch.fused_map_arrays(fm), None)
     shape = (*batch, *part.q.shape[-2:])
-    arrays = fitted.kernel_parameters(fm.parameters, shape)
+    arrays = fitted.kernel_parameters(fm.parameters, shape, zero=-math.inf)
     fitted_arrays = {name: xp.astype(xp.asarray(x), part.q.dtype) for name, x in arrays.items()}
     return zero_rows(xp, (0, part.q.shape[-1]), part.q), False, fitted_arrays
 

@@ -165,7 +165,7 @@ def _forward(
                 _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, present)
                 queries = qx[:n] if reverse else qb[s0:s1]
                 block_log_features(queries, projection, consts, hyperbolic, fw[0], fb[0],
-                                   shift - shift, proj[:n], lq[:n])  # fmt: skip
+                                   window_consts[0], proj[:n], lq[:n])  # fmt: skip
                 block_log_features(kx[:n], projection, consts, hyperbolic, fw[1], fb[1], shift,
                                    proj[:n], lk[:n])  # fmt: skip
                 for i in range(n):
