@@ -26,12 +26,15 @@ the figures that chose it in ``docs/estimators.md`` ("Converting a pretrained mo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
+import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,7 +43,15 @@ import numpy as np
 from linattn import fitted
 from linattn._checks import check_scale
 from linattn._gqa import grouped
-from linattn._xp import Array, Namespace, array_device, constant, namespace_of, to_host
+from linattn._xp import (
+    Array,
+    Namespace,
+    array_device,
+    constant,
+    is_numpy_namespace,
+    namespace_of,
+    to_host,
+)
 from linattn.features import FeatureMap
 from linattn.fitted import FittedParameters
 from linattn.hybrid.dense import near_and_far
@@ -68,6 +79,13 @@ EXACT_HEADS_ENTRY = "exact_heads_per_layer"
 #: there is nothing to gain (no far keys) both are rounding (1e-16 in float64, 1e-7 in
 #: float32), which must not decide; a fit that helps lowers it by 1e-2 or more.
 MIN_GAIN = 1e-5
+
+#: Each calibration batch is split along its rows into this many pieces, which the fit
+#: computes on as many threads where the arrays are NumPy's (its products and
+#: elementwise work release the GIL; BLAS itself keeps one thread, see
+#: :func:`_one_blas_thread`).  Fixed, not the machine's core count: a seed gives the same
+#: fit, to the last bit, on any machine.
+PIECES = 2
 
 
 class LayerBatch(NamedTuple):
@@ -195,6 +213,17 @@ class _Parts:
     scale: float
     target: Array  # (B, H_kv, G, L, d_v): exact softmax output
     grouped: bool
+
+    def pieces(self, count: int = PIECES) -> list[_Parts]:
+        """This batch as up to ``count`` batches of consecutive rows (none empty)."""
+        size = int(self.q.shape[0])
+        bounds = [size * i // count for i in range(count + 1)]
+        names = ("q", "k", "v", "far", "far_weights", "near_weights", "near_top", "rows")
+        return [
+            replace(self, **{name: getattr(self, name)[a:b, ...] for name in (*names, "target")})
+            for a, b in itertools.pairwise(bounds)
+            if b > a
+        ]
 
 
 def _prepare(
@@ -332,13 +361,44 @@ def _gradients(
 
 
 def _batch_loss_grad(
-    p: FittedParameters, parts: _Parts
+    p: FittedParameters, pieces: Sequence[_Parts], run: _Run = map
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    xp = parts.xp
-    out, saved = _forward(p, parts)
-    count = float(to_host(xp.sum(parts.rows))) * out.shape[-1]
-    d_out = 2.0 * (out - parts.target) * parts.rows / count
-    return _squared_error(parts, out) / count, _gradients(p, parts, out, saved, d_out)
+    """The mean squared error over one batch's real rows, per head, and its gradient;
+    the batch in ``pieces`` (:meth:`_Parts.pieces`), mapped by ``run``, summed in order."""
+    count = sum(float(to_host(x.xp.sum(x.rows))) for x in pieces) * int(pieces[0].v.shape[-1])
+
+    def piece(parts: _Parts) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        out, saved = _forward(p, parts)
+        d_out = 2.0 * (out - parts.target) * parts.rows / count
+        return _squared_error(parts, out) / count, _gradients(p, parts, out, saved, d_out)
+
+    results = list(run(piece, pieces))
+    grads = {name: sum(r[1][name] for r in results) for name in results[0][1]}
+    return sum(r[0] for r in results), grads
+
+
+#: How the fit maps a function over pieces of batches: ``map``, or a thread pool's.
+_Run = Callable[[Callable[[Any], Any], Iterable[Any]], Iterator[Any]]
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _pieces_run(xp: Namespace) -> Iterator[_Run]:
+    """A thread pool's ``map`` for NumPy arrays on a machine with more than one core;
+    ``map`` otherwise (other libraries keep their own threads)."""
+    workers = min(PIECES, _cores()) if is_numpy_namespace(xp) else 1
+    if workers < 2:
+        yield map
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="linattn-fit") as pool:
+        yield pool.map
 
 
 # -- Adam on host parameters ------------------------------------------------------------
@@ -496,6 +556,13 @@ def fit_layer(
     -------
     LayerFit
 
+    Notes
+    -----
+    BLAS runs one thread during the fit (its many ``L x L`` products only contend with
+    more); NumPy batches are computed in :data:`PIECES` pieces of rows on as many threads
+    instead, which keeps a second core busy.  Other array libraries keep their own
+    threads.
+
     Examples
     --------
     >>> import numpy as np
@@ -512,11 +579,12 @@ def fit_layer(
     """
     if not fit or not validation:
         raise ValueError("fit and validation must each hold at least one LayerBatch")
-    with _one_blas_thread():
+    with _one_blas_thread(), _pieces_run(namespace_of({"q": fit[0].q})) as run:
         return _fit_layer(
             fit, validation, num_features=num_features, window=window, sink_keys=sink_keys,
             causal=causal, scale=scale, tied=tied, steps=steps, learning_rate=learning_rate,
             evaluate_every=evaluate_every, patience=patience, seed=seed, progress=progress,
+            run=run,
         )  # fmt: skip
 
 
@@ -536,6 +604,7 @@ def _fit_layer(
     patience: int,
     seed: int,
     progress: Callable[[str], None] | None,
+    run: _Run,
 ) -> LayerFit:
     start = time.perf_counter()
     first = fit[0]
@@ -550,8 +619,12 @@ def _fit_layer(
             f"tied=True needs as many key heads as query heads; got {key_heads} and {heads}"
         )
     report = progress if progress is not None else _terminal_progress
-    fit_parts = [_prepare(b, window, sink_keys, causal, scale) for b in fit]
-    val_parts = [_prepare(b, window, sink_keys, causal, scale) for b in validation]
+    fit_parts = [_prepare(b, window, sink_keys, causal, scale).pieces() for b in fit]
+    val_parts = [
+        piece
+        for b in validation
+        for piece in _prepare(b, window, sink_keys, causal, scale).pieces()
+    ]
     p = fitted.initial_parameters(
         head_dim, num_features, heads=heads, key_heads=key_heads, tied=tied, seed=seed
     )
@@ -559,8 +632,8 @@ def _fit_layer(
     values = _values(p)
 
     def val_errors(params: FittedParameters) -> np.ndarray:
-        total = sum(_squared_error(parts, _forward(params, parts)[0]) for parts in val_parts)
-        return np.asarray(total).reshape(key_heads, -1)
+        errors = run(lambda parts: _squared_error(parts, _forward(params, parts)[0]), val_parts)
+        return np.asarray(sum(errors)).reshape(key_heads, -1)
 
     norms = np.sum([_squared_norm(parts) for parts in val_parts], axis=0).reshape(key_heads, -1)
     base = val_errors(fitted.check_parameters(np.eye(head_dim), far_weight=0.0, tied=True))
@@ -574,7 +647,7 @@ def _fit_layer(
     for step in range(1, steps + 1):
         if not queue:
             queue = list(order(len(fit_parts)))
-        _, grads = _batch_loss_grad(p, fit_parts[queue.pop()])
+        _, grads = _batch_loss_grad(p, fit_parts[queue.pop()], run)
         values = adam.update(values, grads)
         p = _parameters(values, tied)
         if step % evaluate_every and step != steps:
@@ -650,9 +723,36 @@ def _squared_norm(parts: _Parts) -> np.ndarray:
     return np.asarray(to_host(xp.sum(norm, axis=0)), dtype=np.float64)
 
 
-def _start_far_weight(p: FittedParameters, parts: _Parts) -> FittedParameters:
-    """``g``'s start per key head: the median over real rows of the exact far mass over
-    the initial map's far mass (both relative to the row's near mass)."""
+def _start_far_weight(p: FittedParameters, pieces: Sequence[_Parts]) -> FittedParameters:
+    """``g``'s start per key head: the median over real rows of one batch (its
+    ``pieces``) of the exact far mass over the initial map's far mass (both relative to
+    the row's near mass)."""
+    ratios = [_log_far_mass_ratio(p, parts) for parts in pieces]
+    log_ratio = np.concatenate([r[0] for r in ratios])  # (B, H_kv, G, L)
+    rows = np.concatenate([r[1] for r in ratios])  # (B, L)
+    g = np.ones(p.far_weight.shape)
+    for h in range(log_ratio.shape[1]):
+        values = log_ratio[:, h]
+        ok = np.broadcast_to(rows[:, None, :], values.shape) & np.isfinite(values)
+        if ok.any():
+            value = float(np.exp(np.median(values[ok])))
+            if g.ndim:
+                g[h] = value
+            else:
+                g = np.asarray(value)
+    return fitted.check_parameters(
+        p.query_weight,
+        p.query_bias,
+        None if p.tied else p.key_weight,
+        None if p.tied else p.key_bias,
+        g,
+        tied=p.tied,
+    )
+
+
+def _log_far_mass_ratio(p: FittedParameters, parts: _Parts) -> tuple[np.ndarray, np.ndarray]:
+    """``log`` of the exact far mass over the map's, both relative to the near mass, per
+    row (``(B, H_kv, G, L)``, NaN where undefined), and which rows are real (``(B, L)``)."""
     xp = parts.xp
     _, saved = _forward(p, parts)
     probs = saved["probs"]
@@ -674,26 +774,8 @@ def _start_far_weight(p: FittedParameters, parts: _Parts) -> FittedParameters:
     with np.errstate(divide="ignore", invalid="ignore"):
         log_ratio = np.log(far) + np.asarray(to_host(top[..., 0]), dtype=np.float64)
         log_ratio = log_ratio - np.log(near) - np.log(m_far) + np.log(m_near)
-    log_ratio = np.where(usable, log_ratio, np.nan)  # (B, H_kv, G, L)
-    rows = np.asarray(to_host(parts.rows[..., 0]))[:, 0, 0] > 0  # (B, L)
-    g = np.ones(p.far_weight.shape)
-    for h in range(log_ratio.shape[1]):
-        values = log_ratio[:, h]
-        ok = np.broadcast_to(rows[:, None, :], values.shape) & np.isfinite(values)
-        if ok.any():
-            value = float(np.exp(np.median(values[ok])))
-            if g.ndim:
-                g[h] = value
-            else:
-                g = np.asarray(value)
-    return fitted.check_parameters(
-        p.query_weight,
-        p.query_bias,
-        None if p.tied else p.key_weight,
-        None if p.tied else p.key_bias,
-        g,
-        tied=p.tied,
-    )
+    log_ratio = np.where(usable, log_ratio, np.nan)
+    return log_ratio, np.asarray(to_host(parts.rows[..., 0]))[:, 0, 0] > 0
 
 
 def _one_blas_thread() -> Any:

@@ -5,6 +5,7 @@ Tiny shapes: the fit's figures on the real model are in benchmarks/transfer_mini
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
@@ -47,7 +48,7 @@ def test_the_fit_gradient_equals_finite_differences(causal, heads, key_heads, ti
     parts = transfer._prepare(batch, 2, 1, causal, 0.5)
     p = _perturbed(heads, key_heads, tied)
     values = transfer._values(p)
-    _, grads = transfer._batch_loss_grad(p, parts)
+    _, grads = transfer._batch_loss_grad(p, parts.pieces())
     eps = 1e-6
     for name, value in values.items():
         for _ in range(3):
@@ -57,7 +58,7 @@ def test_the_fit_gradient_equals_finite_differences(causal, heads, key_heads, ti
                 moved = {n: x.copy() for n, x in values.items()}
                 moved[name][index] += shift
                 return float(
-                    transfer._batch_loss_grad(transfer._parameters(moved, tied), parts)[0].sum()
+                    transfer._batch_loss_grad(transfer._parameters(moved, tied), [parts])[0].sum()
                 )
 
             slope = (loss(eps) - loss(-eps)) / (2 * eps)
@@ -121,6 +122,31 @@ def test_fit_beats_window_and_sinks_on_held_out_batches_and_is_deterministic() -
     shares = first.error_shares()
     np.testing.assert_allclose(shares.sum(), 1.0)
     np.testing.assert_allclose(shares, (v_err / v_err.sum()).reshape(-1), rtol=1e-9)
+
+
+def test_a_numpy_fit_runs_each_batch_in_pieces_on_threads_to_the_same_bits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """NumPy fits compute each batch's pieces (rows) on a thread pool; the pieces are
+    summed in order, so the fit is the sequential one's to the last bit."""
+    fit, validation = [_batch(), _batch()], [_batch()]
+    options = {"num_features": M, "window": 2, "sink_keys": 1, "steps": 6, "evaluate_every": 3}
+    threads = set()
+    forward = transfer._forward
+
+    def recorded(p, parts):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name.split("_")[0])
+        return forward(p, parts)
+
+    monkeypatch.setattr(transfer, "_forward", recorded)
+    results = []
+    for cores in (2, 1):
+        threads.clear()
+        monkeypatch.setattr(transfer, "_cores", lambda cores=cores: cores)
+        results.append(fit_layer(fit, validation, progress=lambda line: None, **options))
+        assert ("linattn-fit" in threads) == (cores > 1), threads
+    threaded, sequential = (r.feature_map.parameters for r in results)
+    for name in ("query_weight", "query_bias", "key_weight", "key_bias", "far_weight"):
+        np.testing.assert_array_equal(getattr(threaded, name), getattr(sequential, name))
+    assert results[0].history == results[1].history
 
 
 def test_heads_whose_fit_cannot_help_keep_the_exact_parts_alone() -> None:
