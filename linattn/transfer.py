@@ -59,6 +59,7 @@ from linattn.hybrid.dense import near_and_far
 __all__ = [
     "EXACT_HEADS_ENTRY",
     "FORMAT",
+    "PIECES",
     "LayerBatch",
     "LayerFit",
     "attention_errors",
@@ -82,9 +83,9 @@ MIN_GAIN = 1e-5
 
 #: Each calibration batch is split along its rows into this many pieces, which the fit
 #: computes on as many threads where the arrays are NumPy's (its products and
-#: elementwise work release the GIL; BLAS itself keeps one thread, see
-#: :func:`_one_blas_thread`).  Fixed, not the machine's core count: a seed gives the same
-#: fit, to the last bit, on any machine.
+#: elementwise work release the GIL; BLAS itself keeps one thread during the fit).
+#: Fixed, not the machine's core count: a seed gives the same fit, to the last bit, on
+#: any machine.
 PIECES = 2
 
 
