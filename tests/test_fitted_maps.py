@@ -239,6 +239,43 @@ def test_fused_paths_say_why_not() -> None:
     )
 
 
+def test_random_and_fitted_maps_share_each_kernels_specialisation() -> None:
+    """A fitted map's calls run the compiled kernels a random map's calls compiled (the
+    same argument types: every input read-only), so ``linattn compile`` and a process
+    that uses both compile each kernel once.  Fails if a fitted call adds a signature."""
+    why_not = _dispatch.numpy_kernels_why_not()
+    if why_not is not None:
+        pytest.skip(f"no compiled kernels here: {why_not}")
+    import importlib
+
+    from linattn_numba import _machinery
+
+    dispatchers = [
+        d
+        for name in ("bidirectional", "decode", "fused_causal", "hybrid")
+        for x in vars(importlib.import_module(f"linattn_numba.cpu.{name}")).values()
+        if isinstance(x, _machinery.Variants)
+        for d in x.dispatchers.values()
+    ]
+    rng = np.random.default_rng(13)
+    q, k, v = _inputs(rng, 2, 2)
+    calls = [{"causal": True}, {}, {**HYBRID, "causal": True}, HYBRID]
+
+    def run(fm):  # type: ignore[no-untyped-def]
+        for options in calls:
+            la.linear_attention(q, k, v, fm, **options)
+        _, state = la.linear_attention(
+            q[..., :-1, :], k[..., :-1, :], v[..., :-1, :], fm, causal=True, return_state=True
+        )
+        la.linear_attention(q[..., -1:, :], k[..., -1:, :], v[..., -1:, :], fm, causal=True,
+                            state=state)  # fmt: skip
+        return [len(d.signatures) for d in dispatchers]
+
+    random = run(la.FeatureMap(D, N, kind="hyperbolic", seed=0))
+    assert sum(random) >= 4  # (the calls reached the four kernels)
+    assert run(_map(rng, 2, 2, [0.0, 0.6])) == random
+
+
 def test_fused_kernels_check_the_parameters() -> None:
     """The fused passes' own entry points name a bad parameter before compiled code runs."""
     if _dispatch.numpy_kernels_why_not() is not None:

@@ -64,11 +64,13 @@ def fitted_operands(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernels' ``(weights, biases, key_shift)``, flat ``(n, 2, d, m/2)``, ``(n, 2,
     m/2)`` and ``(n,)`` (queries' first, keys' second), from checked ``fitted``; empty
-    arrays for a random map (``fitted=None``)."""
+    arrays for a random map (``fitted=None``).  All read-only, as every kernel input is
+    (:func:`linattn_numba.cpu.arrays.readonly`): a random and a fitted map's calls are
+    then one specialisation of each kernel, compiled once for both."""
     n = math.prod(batch)
     if fitted is None:
-        return (np.empty((n, 2, 0, 0), dtype), np.empty((n, 2, 0), dtype),
-                np.empty((n,), dtype))  # fmt: skip
+        return (readonly(np.empty((n, 2, 0, 0), dtype)), readonly(np.empty((n, 2, 0), dtype)),
+                readonly(np.empty((n,), dtype)))  # fmt: skip
     stacked = (
         np.stack([fitted["query_weight"], fitted["key_weight"]], axis=-3),
         np.stack([fitted["query_bias"], fitted["key_bias"]], axis=-2),
