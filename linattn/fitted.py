@@ -361,21 +361,19 @@ def far_log_shift(
     return _moved(xp, shaped, x)
 
 
-def far_keys_on(xp: Namespace, p: FittedParameters, x: Array) -> Array | None:
-    """Which key heads have far keys (``g > 0``), shaped like a key mask of keys ``x``
-    (``(..., L)``, the head axis where ``x`` has it); ``None`` where every head has.
+def far_keys_on(xp: Namespace, p: FittedParameters, x: Array) -> Array:
+    """Which key heads have far keys (``g > 0``), shaped to broadcast against a key mask
+    of keys ``x`` (``(..., L)``; the head axis where ``x`` has it, 0-d for a shared ``g``).
 
     A head with ``g = 0`` is the exact parts alone: its far keys are *absent*, not
     weighted by ``exp(ZERO_FAR_LOG)``, which a row without near keys would normalise
-    back to the far keys' mean.
+    back to the far keys' mean.  (No branch on the values: inside ``torch.compile`` the
+    parameters are traced, and reading them would split the graph.)
     """
     on = p.far_weight > 0
-    if np.all(on):
-        return None
-    if on.ndim == 0:
-        return xp.zeros(tuple(x.shape[:-1]), dtype=xp.bool, device=array_device(x))
-    shaped = _per_head(on[..., None].astype(np.float64), x, "far_weight", vector=True)
-    return _moved(xp, shaped, x)[..., 0] > 0
+    if on.ndim:
+        on = _per_head(on[..., None], x, "far_weight", vector=True)[..., 0]
+    return from_host(xp, on, dtype=xp.bool, device=array_device(x))
 
 
 def kernel_parameters(

@@ -1098,3 +1098,12 @@ def test_torch_compile_traces_a_fitted_map_in_one_graph() -> None:
         assert torch._dynamo.explain(call)(q, k, v).graph_break_count == 0
         compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
         _close(compiled(q, k, v).numpy(), call(q, k, v).numpy(), 1e-12)
+    # The portable parts with a g = 0 head (its far keys left out, not read on the host)
+    fm = _map(rng, 2, 2, np.array([0.0, 2.0]))
+
+    def portable(q, k, v):  # type: ignore[no-untyped-def]
+        return la.linear_attention(q, k, v, fm, backend="array_api", window=3, sink_keys=1)
+
+    assert torch._dynamo.explain(portable)(q, k, v).graph_break_count == 0
+    compiled = torch.compile(portable, fullgraph=True, backend="aot_eager")
+    _close(compiled(q, k, v).numpy(), portable(q, k, v).numpy(), 1e-12)

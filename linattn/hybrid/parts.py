@@ -171,8 +171,7 @@ class FarPart(Part):
         log_phi_q, sign_q = fm.signed_log_features(q, role="query", statistics=stats)
         log_phi_k, sign_k = fm.signed_log_features(k, role="key", statistics=stats)
         if fm.parameters is not None:  # a g = 0 head has no far keys
-            on = fitted.far_keys_on(xp, fm.parameters, k)
-            keep = keep if on is None else xp.logical_and(keep, on)
+            keep = xp.logical_and(keep, fitted.far_keys_on(xp, fm.parameters, k))
         log_phi_k = xp.where(keep[..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
         return log_phi_q, sign_q, log_phi_k, sign_k
 

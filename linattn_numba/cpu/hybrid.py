@@ -62,6 +62,7 @@ from linattn_numba.cpu.calls import check_fitted, fitted_operands
 from linattn_numba.cpu.chunks import chunk_forward, chunk_workspace
 from linattn_numba.cpu.exact import exact_chunk, exact_rows, in_band, merge_into
 from linattn_numba.cpu.features import FEATURE_BLOCK, block_log_features, feature_scratch
+from linattn_numba.cpu.scalars import typed
 
 __all__ = ["BLOCKED_SPAN", "bidirectional_forward", "causal_forward"]
 
@@ -165,7 +166,7 @@ def _forward(
                 _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, present)
                 queries = qx[:n] if reverse else qb[s0:s1]
                 block_log_features(queries, projection, consts, hyperbolic, fw[0], fb[0],
-                                   window_consts[0], proj[:n], lq[:n])  # fmt: skip
+                                   typed(0, shift), proj[:n], lq[:n])  # fmt: skip
                 block_log_features(kx[:n], projection, consts, hyperbolic, fw[1], fb[1], shift,
                                    proj[:n], lk[:n])  # fmt: skip
                 for i in range(n):
