@@ -49,7 +49,7 @@ def main() -> None:
             transfer._cores = threads  # (what fit_layer reads)
             start = time.perf_counter()
             done = convert_encoder(
-                encoder, fit, validation, window=16, sink_keys=1, num_features=64,
+                encoder, fit, validation, window=16, sink_keys=transfer.SINK_KEYS, num_features=64,
                 steps=args.steps, progress=lambda line: None,
             )  # fmt: skip
             seconds[name] = time.perf_counter() - start

@@ -6,11 +6,12 @@ frozen).
 The per-layer fit is ``linattn.models.convert.convert_encoder`` on NumPy (stitching (a),
 as ``benchmarks/transfer_minilm.py``), saved to ``--maps`` and reused when present.  Its
 maps go on all-MiniLM-L6-v2 in transformers (``attn_implementation="linattn"``, window,
-``[CLS]`` sink and ``[SEP]`` exact: ``exact_keys="special"``), ``refine`` fits them on the
-FIT split and keeps the step with the lowest last-hidden-state error on the VALIDATION
-split; the figures are mean and minimum embedding cosines to the exact model on the TEST
-split (``benchmarks/documents.py``), measured on the library's own path (the torch
-kernels executor), before and after.
+the first ``--sink-keys`` keys (:data:`linattn.transfer.SINK_KEYS` by default) and
+``[SEP]`` exact: ``exact_keys="special"``), ``refine`` fits them on the FIT split and
+keeps the step with the lowest last-hidden-state error on the VALIDATION split; the
+figures are mean and minimum embedding cosines to the exact model on the TEST split
+(``benchmarks/documents.py``; texts: also over those of 128+ tokens), measured on the
+library's own path (the torch kernels executor), before and after.
 
     python benchmarks/transfer_end_to_end.py --data docs --window 16 --steps 60
     python benchmarks/transfer_end_to_end.py --data docs --window 16 --steps 100 --loss pooled
@@ -49,6 +50,7 @@ from linattn.models.convert import (
     length_batches,
     save_fitted,
 )
+from linattn.transfer import SINK_KEYS
 
 
 def pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -101,6 +103,10 @@ def main() -> None:
     ap.add_argument("--data", choices=("docs", "texts"), default="docs")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--m", type=int, default=64)
+    ap.add_argument(
+        "--sink-keys", type=int, default=SINK_KEYS,
+        help="the first keys of every row attended exactly (the conversion's default)",
+    )  # fmt: skip
     ap.add_argument("--fit-steps", type=int, default=150, help="per-layer fit steps")
     ap.add_argument("--steps", type=int, default=60, help="end-to-end steps")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -139,19 +145,27 @@ def main() -> None:
     if not maps_path.exists():
         start = time.perf_counter()
         done = convert_encoder(
-            encoder, parts["fit"], parts["validation"], window=args.window, sink_keys=1,
-            num_features=args.m, steps=args.fit_steps, progress=lambda line: None,
+            encoder, parts["fit"], parts["validation"], window=args.window,
+            sink_keys=args.sink_keys, num_features=args.m,
+            steps=args.fit_steps, progress=lambda line: None,
         )  # fmt: skip
         save_fitted(maps_path, done)
         print(f"# per-layer fit {time.perf_counter() - start:.0f} s -> {maps_path}", flush=True)
     fitted = attention_from_file(maps_path, encoder)
+    if (fitted.window, fitted.sink_keys) != (args.window, args.sink_keys):
+        raise SystemExit(
+            f"--maps {maps_path} was fitted for window {fitted.window} and "
+            f"{fitted.sink_keys} sink keys; got --window {args.window} --sink-keys "
+            f"{args.sink_keys}"
+        )
     model = AutoModel.from_pretrained(resolve_model_path("minilm")).eval()
     exact = {}
     with torch.no_grad():
         for name in ("validation", "test"):
             exact[name] = [model(**inputs(*b)).last_hidden_state for b in parts[name]]
     model.config.linattn = {
-        "num_features": args.m, "window": args.window, "sink_keys": 1, "exact_keys": "special",
+        "num_features": args.m, "window": args.window, "sink_keys": args.sink_keys,
+        "exact_keys": "special",
     }  # fmt: skip
     model.set_attn_implementation("linattn")
     for layer, fm in zip(model.encoder.layer, fitted.maps, strict=True):
@@ -185,6 +199,11 @@ def main() -> None:
                     cos.append((pooled(got, m) * pooled(hidden, m)).sum(-1))
             c = torch.cat(cos).numpy()
             out[f"{name}_mean"], out[f"{name}_min"] = float(c.mean()), float(c.min())
+            long = np.concatenate([mask.sum(1) for _, mask in parts[name]]) >= 128
+            if name == "test" and long.any() and not long.all():  # texts: 128+ tokens
+                out["test_128_mean"], out["test_128_min"] = (
+                    float(c[long].mean()), float(c[long].min()),
+                )  # fmt: skip
         return out
 
     maps = [layer.attention.self.__dict__["_linattn_fitted"] for layer in model.encoder.layer]

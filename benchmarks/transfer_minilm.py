@@ -15,7 +15,8 @@ reports, on the test split:
   sinks on the same activations;
 * the fit's wall time and the test split's encode time;
 
-for window + sinks (``[CLS]`` and ``[SEP]`` exact), the hybrid with random features
+for window + sinks (the first ``--sink-keys`` keys, :data:`linattn.transfer.SINK_KEYS` by
+default, and ``[SEP]`` exact), the hybrid with random features
 (hyperbolic, m = 256), the hybrid with fitted maps (each ``--m``) and, with
 ``--alone``, fitted maps with no exact parts.
 
@@ -42,6 +43,7 @@ import linattn as la
 from linattn.models import load_model
 from linattn.models.bert import exact_attention
 from linattn.models.convert import FittedAttention, convert_encoder, length_batches
+from linattn.transfer import SINK_KEYS
 
 
 def batches(
@@ -105,6 +107,10 @@ def main() -> None:
     ap.add_argument("--data", choices=("docs", "texts"), default="docs")
     ap.add_argument("--window", type=int, nargs="+", default=[16])
     ap.add_argument("--m", type=int, nargs="+", default=[64])
+    ap.add_argument(
+        "--sink-keys", type=int, default=SINK_KEYS,
+        help="the first keys of every row attended exactly, in every configuration",
+    )  # fmt: skip
     ap.add_argument("--stitch", choices=("exact", "converted"), nargs="+", default=["exact"])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=1e-2)
@@ -140,7 +146,7 @@ def main() -> None:
     )
     results = []
     for window in args.window:
-        base = FittedAttention([None] * encoder.config.num_layers, window, 1)
+        base = FittedAttention([None] * encoder.config.num_layers, window, args.sink_keys)
         emb, seconds = encode(encoder, parts["test"], base)
         row = {
             "config": f"w{window}+sinks",
@@ -155,7 +161,7 @@ def main() -> None:
                 la.FeatureMap(encoder.config.head_dim, 256, kind="hyperbolic", seed=layer)
                 for layer in range(encoder.config.num_layers)
             ]
-            attention = FittedAttention(maps, window, 1)
+            attention = FittedAttention(maps, window, args.sink_keys)
             emb, seconds = encode(encoder, parts["test"], attention)
             row = {"config": f"w{window}+sinks+random m256", "window": window}
             row.update(summary(emb, exact_emb, test_lengths), encode_s=seconds)
@@ -165,8 +171,9 @@ def main() -> None:
             for stitch in args.stitch:
                 start = time.perf_counter()
                 done = convert_encoder(
-                    encoder, parts["fit"], parts["validation"], window=window, sink_keys=1,
-                    num_features=m, stitch=stitch, steps=args.steps, learning_rate=args.lr,
+                    encoder, parts["fit"], parts["validation"], window=window,
+                    sink_keys=args.sink_keys, num_features=m, stitch=stitch,
+                    steps=args.steps, learning_rate=args.lr,
                     progress=lambda line: None,
                 )  # fmt: skip
                 fit_seconds = time.perf_counter() - start

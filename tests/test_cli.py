@@ -559,6 +559,10 @@ def test_convert_names_its_bad_options(tmp_path: Path, capsys: pytest.CaptureFix
         ["convert", "--model", "minilm", "--texts", str(one), "--window", "0"], capsys
     )
     assert "--window" in error
+    error = _error_of(
+        ["convert", "--model", "minilm", "--texts", str(one), "--sink-keys", "-1"], capsys
+    )
+    assert "--sink-keys" in error
     folder = tmp_path / "empty"
     folder.mkdir()
     error = _error_of(["accuracy", "--model", "minilm", "--fitted", str(folder)], capsys)

@@ -234,6 +234,34 @@ def test_a_converted_bert_encodes_and_reloads_without_refit(tmp_path) -> None:  
         attention_from_file(path, other)
 
 
+def test_a_conversion_keeps_its_sink_keys_and_is_measured_against_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The default sink keys are transfer.SINK_KEYS; the file keeps the count, and
+    `linattn accuracy --fitted`'s window + sinks row attends to as many."""
+    pytest.importorskip("safetensors")
+    from linattn.cli._convert import FITTED_FILE
+    from linattn.cli._model_accuracy import _fitted_configs
+    from linattn.models.accuracy import cls_sep_mask, make_attention
+    from linattn.models.convert import FittedAttention, convert_encoder, save_fitted
+
+    _, encoder, ids, mask = _tiny_bert()
+    options = {"window": 1, "num_features": 4, "steps": 2, "progress": lambda line: None}
+    done = convert_encoder(encoder, [(ids, mask)], [(ids[::-1], mask[::-1])], **options)
+    assert done.options["sink_keys"] == done.attention.sink_keys == transfer.SINK_KEYS == 4
+    save_fitted(tmp_path / FITTED_FILE, done)
+    base, fitted = _fitted_configs(tmp_path)
+    assert base.sink_keys == fitted.sink_keys == transfer.SINK_KEYS
+    assert base.label == "w=1 + 4 sinks" and fitted.label.startswith("w=1 + 4 sinks + fitted")
+    q, k, v = encoder.qkv(encoder.embed(ids), 0)
+    alone = FittedAttention([None, None], 1, transfer.SINK_KEYS)(q, k, v, mask, 0)
+    got = make_attention(base, q.shape[-1])(q, k, v, mask, 0)
+    want = la.linear_attention(
+        q, k, v, None, key_mask=mask[:, None], window=1, sink_keys=4,
+        exact_key_mask=cls_sep_mask(mask), scale=q.shape[-1] ** -0.5,
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(alone, want, rtol=1e-6, atol=1e-7)
+
+
 def test_exact_heads_of_a_converted_bert(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """exact_heads: every head exact is the exact model; one head per layer is the worst
     fitted one, attends exactly, and survives the file and a resumed checkpoint."""

@@ -58,7 +58,8 @@ def convert(args: argparse.Namespace) -> int:
     console = Console()
     console.print(
         f"fitting {model.encoder.config.num_layers} layers: {int((~validation).sum())} fit "
-        f"texts, {int(validation.sum())} validation texts, window {args.window} + sinks, "
+        f"texts, {int(validation.sum())} validation texts, window {args.window} + "
+        f"{args.sink_keys} sink keys, "
         f"m = {args.num_features}, at most {args.steps} steps per layer"
     )
     start = time.perf_counter()
@@ -67,7 +68,7 @@ def convert(args: argparse.Namespace) -> int:
         length_batches(tokens.input_ids, tokens.key_mask, index[~validation], args.batch_size),
         length_batches(tokens.input_ids, tokens.key_mask, index[validation], args.batch_size),
         window=args.window,
-        sink_keys=1,
+        sink_keys=args.sink_keys,
         num_features=args.num_features,
         steps=args.steps,
         seed=args.seed,

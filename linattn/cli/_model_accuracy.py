@@ -109,7 +109,8 @@ def plot_model_accuracy(payload: dict[str, Any], path: Path) -> Path:
 
 
 def _fitted_configs(folder: Path) -> list[Any]:
-    """Window + sinks and the fitted maps in ``folder`` (with the window they were fitted for)."""
+    """Window + sinks and the fitted maps in ``folder`` (with the window and sink keys
+    they were fitted for)."""
     from linattn.cli._convert import FITTED_FILE
     from linattn.models.accuracy import Config
     from linattn.transfer import load_maps
@@ -125,10 +126,10 @@ def _fitted_configs(folder: Path) -> list[Any]:
         raise CommandError(f"--fitted {folder}: reading it needs safetensors") from None
     except ValueError as error:
         raise CommandError(f"--fitted {folder}: {error}") from None
-    window = options.get("window")
+    window, sink_keys = options.get("window"), int(options.get("sink_keys", 1))
     return [
-        Config("window+sinks", window=window, sinks=True),
-        Config("fitted", window=window, sinks=True, fitted=str(path)),
+        Config("window+sinks", window=window, sinks=True, sink_keys=sink_keys),
+        Config("fitted", window=window, sinks=True, sink_keys=sink_keys, fitted=str(path)),
     ]
 
 

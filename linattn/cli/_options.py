@@ -17,6 +17,7 @@ import linattn as la
 from linattn.cli._accuracy import Estimator, parse_estimator, random_kinds
 from linattn.cli._backends import ARRAY_LIBRARIES
 from linattn.cli._benchmark import METHODS, MODES, BenchSetup
+from linattn.transfer import SINK_KEYS
 
 __all__ = ["CommandError", "UsageError", "add_format", "build_parser", "number"]
 
@@ -437,6 +438,10 @@ def build_parser(
     convert.add_argument(
         "--window", type=number(integer=True, positive=True), default=16,
         help="exact window (default: 16)",
+    )  # fmt: skip
+    convert.add_argument(
+        "--sink-keys", type=number(integer=True, positive=False), default=SINK_KEYS,
+        help=f"the first keys of every text attended exactly (default: {SINK_KEYS})",
     )  # fmt: skip
     convert.add_argument(
         "--num-features", type=number(integer=True, positive=True), default=64,

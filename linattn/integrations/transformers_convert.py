@@ -40,6 +40,7 @@ from linattn.attention import with_exact_heads
 from linattn.features import FeatureMap
 from linattn.transfer import (
     EXACT_HEADS_ENTRY,
+    SINK_KEYS,
     LayerBatch,
     LayerFit,
     exact_heads_of,
@@ -348,7 +349,7 @@ def convert(
     validation: Iterable[Mapping[str, Any]],
     *,
     window: int | None = 16,
-    sink_keys: int = 1,
+    sink_keys: int = SINK_KEYS,
     num_features: int = 64,
     exact_keys: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
     exact_heads: int = 0,
@@ -373,7 +374,9 @@ def convert(
         steps, ``validation`` for early stopping and each head's choice of ``g = 0``.
         Keep a third split for measuring (:func:`layer_errors`).
     window, sink_keys : int
-        The exact parts (:func:`linattn.linear_attention`'s), as the model will run.
+        The exact parts (:func:`linattn.linear_attention`'s), as the model will run: the
+        ``window`` nearest keys and the first ``sink_keys`` keys of every row (default
+        :data:`linattn.transfer.SINK_KEYS`, StreamingLLM's four).
     num_features : int, default 64
         Features per head (even).
     exact_keys : None, "special" or callable

@@ -79,8 +79,8 @@ class Config:
     """One way to compute every layer's attention.
 
     ``kind``/``num_features`` set the random features (None: far keys dropped);
-    ``window`` the exact neighbours; ``sinks`` adds position 0 as a sink key and
-    ``[CLS]``/``[SEP]`` as exact keys; ``shared_draw`` gives every layer the same
+    ``window`` the exact neighbours; ``sinks`` adds the first ``sink_keys`` positions
+    as sink keys and ``[CLS]``/``[SEP]`` as exact keys; ``shared_draw`` gives every layer the same
     projection (the estimators' errors then correlate across layers).
     """
 
@@ -90,18 +90,19 @@ class Config:
     rebalance: bool = False
     window: int | None = None
     sinks: bool = False
+    sink_keys: int = 1
     shared_draw: bool = False
     fitted: str | None = None
 
     @property
     def label(self) -> str:
         parts = []
-        if self.fitted is not None:
-            return f"w={self.window} + sinks + fitted ({self.fitted})"
         if self.window is not None:
             parts.append(f"w={self.window}")
         if self.sinks:
-            parts.append("sinks")
+            parts.append("sinks" if self.sink_keys == 1 else f"{self.sink_keys} sinks")
+        if self.fitted is not None:
+            return " + ".join([*parts, f"fitted ({self.fitted})"])
         if self.kind is not None:
             kind = self.kind + ("+rebalance" if self.rebalance else "")
             parts.append(f"{kind} m={self.num_features}")
@@ -212,7 +213,7 @@ def make_attention(config: Config, head_dim: int, seed: int = 0) -> Attention:
         if config.window is not None:
             extra["window"] = config.window
         if config.sinks:
-            extra.update(sink_keys=1, exact_key_mask=cls_sep_mask(key_mask))
+            extra.update(sink_keys=config.sink_keys, exact_key_mask=cls_sep_mask(key_mask))
         out: np.ndarray = la.linear_attention(q, k, v, fm, key_mask=mask, **extra)
         return out
 

@@ -29,6 +29,7 @@ import linattn as la
 from linattn.models.bert import BertEncoder, exact_attention
 from linattn.transfer import (
     EXACT_HEADS_ENTRY,
+    SINK_KEYS,
     LayerBatch,
     LayerFit,
     exact_heads_of,
@@ -107,7 +108,7 @@ class FittedAttention:
 
     maps: list[la.FeatureMap | None]
     window: int | None
-    sink_keys: int = 1
+    sink_keys: int = SINK_KEYS
     exact_sep: bool = True
     exact_heads: list[tuple[int, ...]] = field(default_factory=list)
 
@@ -177,7 +178,7 @@ def convert_encoder(
     validation: Sequence[Batch],
     *,
     window: int | None = 16,
-    sink_keys: int = 1,
+    sink_keys: int = SINK_KEYS,
     num_features: int = 64,
     stitch: str = "exact",
     steps: int = 300,
@@ -197,8 +198,9 @@ def convert_encoder(
         Tokenised calibration batches from disjoint texts (see
         :func:`linattn.transfer.fit_layer`); keep a third split for measuring.
     window, sink_keys : int
-        The exact parts (``window=None, sink_keys=0, exact_sep=False``: fitted maps
-        alone, no exact part).
+        The exact parts: the ``window`` nearest keys and the first ``sink_keys`` keys
+        (default :data:`linattn.transfer.SINK_KEYS`) of every row; ``window=None,
+        sink_keys=0, exact_sep=False``: fitted maps alone, no exact part.
     num_features : int, default 64
     stitch : {"exact", "converted"}
         Fit each layer on the exact model's activations, or on those of the model with
