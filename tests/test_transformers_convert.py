@@ -560,7 +560,7 @@ def test_a_model_whose_heads_are_all_exact_is_the_exact_model(name: str) -> None
 def test_exact_heads_are_the_worst_fitted_and_survive_saving(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """One exact head per layer: the head with the largest share of the validation
     error; layer_errors gives it 0; refine's form of the model computes the model's own
-    output; the file and a saved model keep the heads; decoding is refused by name."""
+    output; the file and a saved model keep the heads."""
     from linattn.integrations import transformers_refine as tr
     from linattn.integrations.transformers_convert import EXACT_HEADS
 
@@ -612,11 +612,40 @@ def test_exact_heads_are_the_worst_fitted_and_survive_saving(tmp_path) -> None: 
         tmp_path / "model", attn_implementation="linattn"
     ).eval()
     torch.testing.assert_close(_output(loaded, batch), _output(model, batch), rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"has exact heads \(\d,\).*cannot decode"):
-        model.generate(
-            batch["input_ids"][:1, :6], max_new_tokens=2, do_sample=False,
-            past_key_values=LinearAttentionCache(), pad_token_id=0,
-        )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_model_with_exact_heads_decodes_with_the_cache(name: str) -> None:
+    """LinearAttentionCache keeps the keys and values of the key heads that exact heads
+    read: prompt, single tokens and a two-token step give the logits of recomputing the
+    whole prefix (left padding in one row; llama's exact heads 1 and 2 read key heads 0
+    and 1)."""
+    from linattn.integrations.transformers_convert import EXACT_HEADS
+
+    model = MODELS[name]()
+    convert(
+        model, [_batch(1)], [_batch(3)], window=WINDOW, sink_keys=SINKS, num_features=8,
+        steps=2, exact_heads=1, progress=lambda line: None,
+    )  # fmt: skip
+    heads = (1, 2) if name == "llama" else None
+    for module in (m for m in model.modules() if heads and EXACT_HEADS in m.__dict__):
+        module.__dict__[EXACT_HEADS] = heads
+    ids = _batch(8)["input_ids"][:, :13]
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    cache = LinearAttentionCache()
+    with torch.no_grad():
+        for start, stop in ((0, 8), (8, 9), (9, 11), (11, 12), (12, 13)):
+            step = model(
+                ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache,
+                use_cache=True,
+            ).logits  # fmt: skip
+            whole = model(ids[:, :stop], attention_mask=mask[:, :stop]).logits[:, start:stop]
+            real = mask[:, start:stop].bool()
+            torch.testing.assert_close(step[real], whole[real], rtol=1e-5, atol=1e-5)
+    kept = [layer.exact for layer in cache.layers]
+    assert all(e is not None and e.keys.shape[-2] == 13 for e in kept)
+    assert [len(e.key_heads) for e in kept] == [2 if heads else 1] * len(kept)
 
 
 def test_bad_exact_heads_are_refused_by_name() -> None:
