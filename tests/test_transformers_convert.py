@@ -646,6 +646,11 @@ def test_a_model_with_exact_heads_decodes_with_the_cache(name: str) -> None:
     kept = [layer.exact for layer in cache.layers]
     assert all(e is not None and e.keys.shape[-2] == 13 for e in kept)
     assert [len(e.key_heads) for e in kept] == [2 if heads else 1] * len(kept)
+    if heads:  # the cache's heads are the model's: other heads mid-way are refused
+        for module in (m for m in model.modules() if EXACT_HEADS in m.__dict__):
+            module.__dict__[EXACT_HEADS] = (0,)
+        with pytest.raises(ValueError, match=r"kept key heads \(0, 1\).*read \(0,\)"):
+            model(ids[:, 12:], attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
 def test_bad_exact_heads_are_refused_by_name() -> None:

@@ -80,8 +80,8 @@ class Config:
 
     ``kind``/``num_features`` set the random features (None: far keys dropped);
     ``window`` the exact neighbours; ``sinks`` adds the first ``sink_keys`` positions
-    as sink keys and ``[CLS]``/``[SEP]`` as exact keys; ``shared_draw`` gives every layer the same
-    projection (the estimators' errors then correlate across layers).
+    as sink keys and ``[CLS]``/``[SEP]`` as exact keys; ``shared_draw`` gives every
+    layer the same projection (the estimators' errors then correlate across layers).
     """
 
     family: str
