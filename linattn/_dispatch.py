@@ -129,6 +129,10 @@ class Plan:
     tokens_per_pass: int | None = None
     kernel: Callable[..., CausalResult] | None = None
     backward: Callable[..., Any] | None = None
+    #: The backend the call asked for, resolved (:func:`resolve_backend`): every
+    #: compiled part of the call (the window kernel, the one-pass hybrid passes) follows
+    #: it, so the plan that names the path is the one that runs.
+    backend: Backend = "auto"
 
     @property
     def compiled(self) -> bool:
@@ -225,14 +229,18 @@ def scan_plan(
     them (and names what is wrong as the front door does)."""
     chosen = resolve_backend(backend)
     if not is_array(x):  # the executor's checks say what is wrong
-        return Plan("array-api", f"{type(x).__name__} is not an array")
+        return Plan("array-api", f"{type(x).__name__} is not an array", backend=chosen)
     if is_dask_array(x):
-        return Plan("dask-scan", "Dask arrays: a scan of chunk states over the input's chunks")
+        return Plan(
+            "dask-scan",
+            "Dask arrays: a scan of chunk states over the input's chunks",
+            backend=chosen,
+        )
     if chosen == "array_api":
         reason = "backend='array_api'" + (
             " ($LINATTN_BACKEND)" if backend is None and ENVIRONMENT_VARIABLE in os.environ else ""
         )
-        return _portable(x, feature_map, reason)
+        return _portable(x, feature_map, reason, chosen)
     kernel, reason = kernel_for(x)
     if kernel is not None and feature_map is not None and not feature_map.is_positive:
         kernel, reason = None, "the kernels take positive features only"
@@ -242,7 +250,7 @@ def scan_plan(
                 f"backend='numba' cannot serve these arrays "
                 f"({type(x).__module__}.{type(x).__name__}): {reason}"
             )
-        return _portable(x, feature_map, reason)
+        return _portable(x, feature_map, reason, chosen)
     on_gpu = library_of(x) == "cupy" or getattr(getattr(x, "device", None), "type", "") == "cuda"
     return Plan(
         "numba-cuda" if on_gpu else "numba-cpu",
@@ -250,6 +258,7 @@ def scan_plan(
         fused=_fused(x, feature_map),
         kernel=kernel,
         backward=_numpy_backward() if library_of(x) == "numpy" else None,
+        backend=chosen,
     )
 
 
@@ -309,11 +318,11 @@ def kernel_status() -> dict[str, str]:
     return status
 
 
-def _portable(x: Array, feature_map: FeatureMap | None, reason: str) -> Plan:
+def _portable(x: Array, feature_map: FeatureMap | None, reason: str, backend: Backend) -> Plan:
     """The batched chunk pass: the framework's scan on JAX, groups of chunks on eager CPUs."""
     if is_jax_array(x):
-        return Plan("jax-scan", f"{reason}; JAX arrays: jax.lax.scan")
-    return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x))
+        return Plan("jax-scan", f"{reason}; JAX arrays: jax.lax.scan", backend=backend)
+    return Plan("array-api", reason, tokens_per_pass=_tokens_per_pass(x), backend=backend)
 
 
 def _tokens_per_pass(x: Array) -> int | None:
@@ -361,45 +370,44 @@ def kernel_for(x: Array) -> tuple[Callable[..., CausalResult] | None, str]:
     return linattn_numba.causal_kernel_for(x)
 
 
-def window_kernel_for(x: Array) -> Any:
-    """The compiled window part for arrays like ``x``, or ``None`` (the portable code runs).
+def window_kernel_for(x: Array, backend: Backend) -> Any:
+    """The compiled window part for arrays like ``x`` under the call's resolved
+    ``backend``, or ``None`` (the portable code runs).
 
-    NumPy arrays where ``linattn_numba`` imports and ``$LINATTN_BACKEND`` is not
+    NumPy arrays where ``linattn_numba`` imports and the call's backend is not
     ``"array_api"``: the module :mod:`linattn_numba.cpu.window`, whose ``banded_partial``
     and ``banded_partial_backward`` have the contract of ``linattn.hybrid.banded_partial``
     and of its adjoint.
     """
-    if library_of(x) != "numpy" or resolve_backend(None) == "array_api":
+    if library_of(x) != "numpy" or numpy_kernels_why_not(backend) is not None:
         return None
-    try:
-        from linattn_numba.cpu import window as _window
-    except ImportError:
-        return None
+    from linattn_numba.cpu import window as _window
+
     return _window
 
 
-def hybrid_kernel_for(x: Array) -> Any:
-    """The compiled causal hybrid pass for arrays like ``x``, or ``None``: the module
-    :mod:`linattn_numba.cpu.hybrid` where :func:`window_kernel_for` gives the window kernel."""
-    if window_kernel_for(x) is None:
+def hybrid_kernel_for(x: Array, backend: Backend) -> Any:
+    """The compiled one-pass hybrid passes for arrays like ``x`` under the call's resolved
+    ``backend``, or ``None``: the module :mod:`linattn_numba.cpu.hybrid` where
+    :func:`window_kernel_for` gives the window kernel."""
+    if window_kernel_for(x, backend) is None:
         return None
     from linattn_numba.cpu import hybrid as _hybrid
 
     return _hybrid
 
 
-def hybrid_kernel_why_not(x: Array) -> str | None:
-    """Why the one-pass hybrid kernels cannot take arrays like ``x``, or ``None``."""
-    if library_of(x) != "numpy":
-        return "the one-pass hybrid kernels take NumPy arrays"
-    return numpy_kernels_why_not()
-
-
-def numpy_kernels_why_not() -> str | None:
+def numpy_kernels_why_not(backend: Backend) -> str | None:
     """Why the compiled kernels NumPy arrays get (the hybrid and window passes) cannot
-    run here, or ``None``."""
-    if resolve_backend(None) == "array_api":
-        return f"${ENVIRONMENT_VARIABLE}=array_api"
+    run a call whose resolved backend is ``backend``, or ``None``.
+
+    Examples
+    --------
+    >>> numpy_kernels_why_not("array_api")
+    "backend='array_api'"
+    """
+    if backend == "array_api":
+        return "backend='array_api'"
     if not NUMBA_INSTALLED:  # a constant: no failing import inside a compiled region
         return "numba is not installed; install linattn[numba]"
     try:
@@ -669,39 +677,6 @@ def _empty_shift(batch: tuple[int, ...], m: int, dtype: Any) -> Any:
 # -- bidirectional attention ------------------------------------------------------------
 
 
-def bidirectional_why_not(
-    x: Array, feature_map: FeatureMap | None, *, backend: Backend | None
-) -> str | None:
-    """Why the fused bidirectional CPU pass cannot serve a call on arrays like ``x``, or
-    ``None`` where it can.
-
-    NumPy arrays and torch CPU tensors (differentiable through the fused backward), the
-    kinds the fused passes compute, no per-call statistics, a kernel that can run, and a
-    backend other than ``"array_api"``; everything else takes the array-API pass
-    (:func:`linattn.causal.bidirectional`), as before.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import linattn as la
-    >>> x, fm = np.zeros((4, 8)), la.FeatureMap(8, 16)
-    >>> bidirectional_why_not(x, fm, backend="array_api")
-    "backend='array_api'"
-    """
-    if resolve_backend(backend) == "array_api":
-        return "backend='array_api'"
-    if feature_map is not None and feature_map.needs_calibration:
-        return "the map needs this call's statistics"
-    if not fused_map(feature_map):
-        return "the fused passes do not compute this map's features"
-    if not is_array(x):
-        return f"{type(x).__name__} is not an array"
-    library = library_of(x)
-    if (library == "torch" and x.device.type != "cpu") or library not in ("numpy", "torch"):
-        return "not NumPy arrays or torch CPU tensors"
-    return kernel_for(x)[1] if kernel_for(x)[0] is None else None
-
-
 def fused_bidirectional(
     q: Array, k: Array, v: Array, feature_map: FeatureMap, key_mask: Array | None
 ) -> Array:
@@ -739,9 +714,13 @@ def fused_bidirectional_vjp(
     feature_map: FeatureMap,
     key_mask: Array | None,
     grad_output: Array,
+    *,
+    chunk_size: int | None = None,
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` of bidirectional attention by the fused forward and backward
-    passes (:func:`bidirectional_fused`); over the broadcast batch shape, compute dtype."""
+    passes (:func:`bidirectional_fused`); over the broadcast batch shape, compute dtype.
+    (``chunk_size`` is taken as every backward takes it, and unused: the passes go
+    block by block.)"""
     from linattn_numba.cpu import bidirectional as _bidirectional
 
     arrays: tuple[Any, ...] = (q, k, v, key_mask, grad_output)

@@ -39,7 +39,9 @@ from linattn._xp import (
 )
 from linattn.features import FeatureMap
 from linattn.fitted import check_values
+from linattn.hybrid import dense
 from linattn.hybrid.dense import hybrid_from_features, near_and_far
+from linattn.hybrid.dense import why_not as dense_why_not
 
 __all__ = [
     "DENSE_MAX_LENGTH",
@@ -50,21 +52,17 @@ __all__ = [
 ]
 
 #: The longest self-attention the dense form computes when the caller leaves the choice
-#: (``dense=None``).  One MiniLM-sized call (12 heads, d = 32, m = 64, batch 8), forward
-#: and backward in every input and parameter, one run: the library's path took 4.5x /
-#: 2.4x / 2.0x / 1.05x the dense form's time at 128 / 256 / 320 / 384 tokens, 0.81x at
-#: 512 (``benchmarks/refine_attention_speed.py --lengths 128 256 320 384 512``); the
-#: dense form also holds ``L x L`` weights per head.  (Before the dense form merged its
-#: near and far parts, :func:`linattn.hybrid.dense.hybrid_from_features`, it computed
-#: ``log(g phi . phi)`` for every far key: 0.87x at 320 tokens, and the limit was 256.)
-DENSE_MAX_LENGTH = 384
+#: (``dense=None``): :data:`linattn.hybrid.dense.MAX_LENGTH`'s ``"parameters"`` entry,
+#: where it is measured.
+DENSE_MAX_LENGTH = dense.MAX_LENGTH["parameters"]
 
 
 def use_dense(dense: object, backend: object, q: Any, k: Any) -> bool:
     """Whether a fitted call runs :func:`dense_hybrid` (else the library's path).
 
     ``dense=None`` chooses the dense form for self-attention of at most
-    :data:`DENSE_MAX_LENGTH` tokens when no ``backend`` is named; ``True`` / ``False``
+    :data:`DENSE_MAX_LENGTH` tokens when no ``backend`` is named (the limit of
+    :func:`linattn.hybrid.dense.why_not`, which decides for the plan too); ``True`` / ``False``
     force it (``True`` takes no ``backend``: the caller's framework computes it).
     """
     if dense is not None and not isinstance(dense, bool):
@@ -76,8 +74,8 @@ def use_dense(dense: object, backend: object, q: Any, k: Any) -> bool:
         )
     if dense is not None:
         return dense
-    length = q.shape[-2]
-    return backend is None and length == k.shape[-2] and length <= DENSE_MAX_LENGTH
+    lengths = (q.shape[-2], k.shape[-2])
+    return backend is None and dense_why_not(False, "parameters", *lengths) is None
 
 
 def check_call(q: Any, k: Any, v: Any, feature_map: FeatureMap, options: dict[str, Any]) -> None:

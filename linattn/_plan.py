@@ -2,27 +2,27 @@
 
 :func:`plan_call` asks each executor of :data:`EXECUTORS` in turn whether it serves a
 normalised :class:`linattn._call.Call`; the first that does runs it, and every one
-before it says why it did not (as xformers' dispatcher does).  The requirements are
-written here and nowhere else: the executors (``linattn.executors``) only run what they
-are given, and ``linattn_numba`` is reached through :mod:`linattn._dispatch`, whose
-:func:`~linattn._dispatch.causal_plan` picks the path of the causal scan inside them
-(compiled kernel, JAX scan, Dask graph, array API).
+before it says why it did not (as xformers' dispatcher does).  What each executor takes
+is declared by the executor itself (:class:`linattn.executors.base.Takes`, and its
+``why_not``); this module holds only the order and the formatting, and
+``linattn_numba`` is reached through :mod:`linattn._dispatch`, whose
+:func:`~linattn._dispatch.scan_plan` picks the path of the causal scan inside them
+(compiled kernel, JAX scan, Dask graph, array API) and carries the call's backend to
+every compiled part.
 
-Adding an executor is one module in ``linattn/executors/`` (a ``run(call, plan,
-attend)``) and one line in :data:`EXECUTORS` with its requirement.
+Adding an executor is one module in ``linattn/executors/`` (a subclass of
+:class:`linattn.executors.base.Executor`, with its backward where it has one) and one
+line in :data:`EXECUTORS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from linattn import _decode, _dispatch
+from linattn import _dispatch
 from linattn._call import Call, normalise_call
-from linattn._xp import dtype_name, is_array, is_dask_array, is_jax_array
+from linattn._xp import is_array
 from linattn.executors import (
     dask_scan,
     decode,
@@ -37,16 +37,19 @@ from linattn.executors import (
     sub_calls,
     torch_kernels,
 )
+from linattn.executors.base import Backward, Executor, Result
 from linattn.features import FeatureMap
-from linattn.hybrid import dense
-from linattn.state import LinearAttentionState
 
-__all__ = ["AttentionPlan", "Executor", "execute", "plan_attention", "plan_call", "run_call"]
-
-#: What an executor returns: the output (caller's dtype) and the new state, or ``None``.
-Result = tuple[Any, LinearAttentionState | None]
-#: An executor: ``run(call, plan, attend)``; ``attend`` runs a sub-call (Dask chunks).
-Executor = Callable[[Call, "AttentionPlan", Callable[[Call], Result]], Result]
+__all__ = [
+    "EXECUTORS",
+    "AttentionPlan",
+    "backward_of",
+    "execute",
+    "executor_named",
+    "plan_attention",
+    "plan_call",
+    "run_call",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,8 @@ class AttentionPlan:
     reason : str
         Why it serves the call.
     rejected : tuple of (str, str)
-        Each executor asked before it, with the reason it does not serve the call.
+        Each executor asked before it, with the reasons it does not serve the call
+        (joined by ``"; "``).
     scan : Plan
         The path of the causal scan inside the executor (:func:`linattn.causal_plan`):
         compiled kernel, JAX scan or array API.
@@ -89,229 +93,28 @@ class AttentionPlan:
         return "\n".join(lines)
 
 
-def _asked_backend(call: Call) -> str:
-    return _dispatch.resolve_backend(call.backend)
-
-
-def _numpy(*arrays: Any) -> bool:
-    return all(type(x) is np.ndarray for x in arrays)
-
-
-def _numpy_or_none(x: Any) -> bool:
-    return x is None or type(x) is np.ndarray
-
-
-# -- the requirements: None where the executor serves the call, else why not -------------
-
-
-def _decode_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """A few new NumPy tokens after a plain causal state, in one kernel call."""
-    q, k, v, state, fm = call.q, call.k, call.v, call.state, call.feature_map
-    if call.exact_parts or not call.causal or not isinstance(state, LinearAttentionState):
-        return "not a causal call with a plain state (no window or sinks)"
-    if _asked_backend(call) == "array_api":
-        return "backend='array_api'"
-    if state.sink_keys or not isinstance(fm, FeatureMap):
-        return "a state with sink keys, or no feature map"
-    return_state: object = call.return_state  # (as given: typed bool, not checked yet)
-    if not (return_state is True or return_state is False):
-        return "return_state is not a bool"
-    if not (_numpy(q, k, v, state.kv, state.log_shift) and _numpy_or_none(call.key_mask)):
-        return "not NumPy arrays"
-    reason = _decode.why_not(q, k, v, fm, call.key_mask, state, call.chunk_size)
-    if reason is None and _dispatch.decode_kernel() is None:
-        reason = "the decoding kernel cannot be imported; install linattn[numba]"
-    return reason
-
-
-def _dask_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Dask arrays: a graph over their sequence chunks."""
-    if not is_dask_array(call.q):
-        return "not Dask arrays"
-    return "exact parts run portably on Dask arrays" if call.exact_parts else None
-
-
-def _exact_parts_why_not(call: Call) -> str | None:
-    return None if call.exact_parts else "no window, sink keys or exact keys"
-
-
-def _dense_hybrid_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """A short self-attention hybrid with a fitted map as matrix products: torch CPU
-    tensors (torch's fused attention kernel for the near keys; autograd differentiates
-    it) or JAX arrays on the CPU (eager or traced; JAX differentiates it)."""
-    if (why := _exact_parts_why_not(call)) is not None:
-        return why
-    if _asked_backend(call) != "auto":
-        return f"backend={_asked_backend(call)!r}"
-    fm = call.feature_map
-    if fm is None or fm.parameters is None:
-        return "no fitted map (random features keep their scans' per-feature stabilisation)"
-    if call.state is not None or call.return_state is not False:
-        return "a state is asked for or continued"
-    arrays = {"q": call.q, "k": call.k, "v": call.v}
-    if all(is_jax_array(x) for x in arrays.values()):
-        import jax
-
-        if jax.default_backend() != "cpu":
-            return f"JAX's default backend is {jax.default_backend()!r} (measured on the CPU)"
-        kind = "jax"
-    else:
-        for x in arrays.values():
-            if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
-                return "not torch CPU tensors or JAX arrays"
-            if not all(isinstance(n, int) for n in x.shape):
-                return "symbolic shapes (torch.compile with dynamic shapes)"
-        import torch
-
-        grad = torch.is_grad_enabled() and any(x.requires_grad for x in arrays.values())
-        kind = "torch-grad" if grad else "torch"
-    for name, x in arrays.items():
-        dtype = dtype_name(x.dtype).removeprefix("torch.")
-        if dtype not in ("float32", "float64"):
-            return f"{name} is {dtype}"
-    length, limit = call.q.shape[-2], dense.max_length(bool(call.causal), kind)
-    if call.k.shape[-2] != length or length > limit:
-        what = ("causal " if call.causal else "") + "self-attention"
-        grad_note = " with a gradient" if kind == "torch-grad" else ""
-        return f"not {what} of at most {limit} tokens{grad_note}"
-    return None
-
-
-def _torch_kernels_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Torch CPU tensors with exact parts, through the compiled kernels the same call on
-    NumPy arrays gets (custom operators, forward and backward)."""
-    if (why := _exact_parts_why_not(call)) is not None:
-        return why
-    if _asked_backend(call) == "array_api":
-        return "backend='array_api'"
-    if call.state is not None or call.return_state is not False:
-        return "a state is asked for or continued (decoding runs on the tensors)"
-    if not isinstance(call.sink_keys, int):
-        return "sink_keys is not an int"
-    # Read from types, devices, shapes and dtypes only: no array is made (the plan runs
-    # inside torch.compile's tracing, which would trace NumPy calls too).
-    arrays = {"q": call.q, "k": call.k, "v": call.v}
-    masks = {"key_mask": call.key_mask, "exact_key_mask": call.exact_key_mask}
-    for name, x in {**arrays, **masks}.items():
-        if x is None:
-            continue
-        if _dispatch.library_of(x) != "torch" or x.device.type != "cpu":
-            return "not torch CPU tensors"
-        if not all(isinstance(n, int) for n in x.shape):
-            return "symbolic shapes (torch.compile with dynamic shapes)"
-        dtype = str(x.dtype).removeprefix("torch.")
-        expected = ("float32", "float64") if name in arrays else ("bool",)
-        if dtype not in expected:
-            return f"{name} is {dtype} (the kernels take {' or '.join(expected)})"
-    return _dispatch.numpy_kernels_why_not()
-
-
-def _hybrid_causal_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Causal window, sinks and fused far keys in one compiled pass."""
-    if (why := _exact_parts_why_not(call)) is not None:
-        return why
-    if not call.causal:
-        return "bidirectional"
-    return _fused_far_keys_why_not(call, scan)
-
-
-def _hybrid_window_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Bidirectional window, sinks and both far passes in one compiled pass."""
-    if (why := _exact_parts_why_not(call)) is not None:
-        return why
-    if call.causal:
-        return "causal"
-    if call.window is None:
-        return "no window"
-    return _fused_far_keys_why_not(call, scan)
-
-
-def _hybrid_global_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Bidirectional exact keys without a window, far keys in the fused global pass."""
-    if (why := _exact_parts_why_not(call)) is not None:
-        return why
-    if call.causal or call.window is not None:
-        return "causal or a window"
-    if call.sink_keys == 0 and call.exact_key_mask is None:
-        return "no exact keys"
-    if call.feature_map is not None and call.feature_map.needs_calibration:
-        return "the map needs this call's statistics"
-    return _fused_far_keys_why_not(call, scan, fitted=False)
-
-
-def _fused_far_keys_why_not(
-    call: Call, scan: _dispatch.Plan, *, fitted: bool = True
-) -> str | None:
-    """The far keys in the one-pass hybrid kernels: NumPy, a map they compute or (the
-    window kernels, ``fitted``) a fitted map, whose log-features they are given."""
-    if call.feature_map is None:
-        return "no feature map (exact sparse attention merges its parts)"
-    if fitted and call.feature_map.parameters is not None:
-        if _asked_backend(call) == "array_api":  # (no scan to say so: its features are given)
-            return "backend='array_api'"
-        return _dispatch.hybrid_kernel_why_not(call.q)
-    if not scan.fused:
-        return f"no fused pass: {scan.reason}"
-    return _dispatch.hybrid_kernel_why_not(call.q)
-
-
-def _hybrid_parts_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Exact parts and far keys as partial rows, merged as in online softmax."""
-    return _exact_parts_why_not(call)
-
-
-def _fused_causal_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Causal features and attention in one compiled pass, no L x m array."""
-    if not call.causal:
-        return "bidirectional"
-    if call.feature_map is not None and call.feature_map.parameters is not None:
-        return _fitted_fused_why_not(call, scan)
-    return None if scan.fused else f"no fused pass: {scan.reason}"
-
-
-def _fused_bidirectional_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Bidirectional features, state and readout in the fused compiled pass."""
-    if call.causal:
-        return "causal"
-    if call.feature_map is not None and call.feature_map.parameters is not None:
-        return _fitted_fused_why_not(call, scan)
-    return _dispatch.bidirectional_why_not(call.q, call.feature_map, backend=call.backend)
-
-
-def _fitted_fused_why_not(call: Call, scan: _dispatch.Plan) -> str | None:
-    """A fitted map in the fused forward passes, which compute its features per block:
-    NumPy arrays only (torch tensors differentiate through the fused backward passes,
-    which compute random features only)."""
-    if _dispatch.library_of(call.q) != "numpy":
-        return "a fitted map: the fused passes compute its features for NumPy arrays only"
-    return None if scan.kernel is not None else f"no compiled kernel: {scan.reason}"
-
-
-def _always(call: Call, scan: _dispatch.Plan) -> str | None:
-    """Features in the array API, then the causal scan on its path or one pass."""
-    return None
-
-
-#: Every executor, asked in this order: (name, requirement, what it is, run).
-EXECUTORS: tuple[tuple[str, Callable[[Call, _dispatch.Plan], str | None], Executor], ...] = (
-    ("decode", _decode_why_not, decode.run),
-    ("dask-scan", _dask_why_not, dask_scan.run),
-    ("dense-hybrid", _dense_hybrid_why_not, dense_hybrid.run),
-    ("torch-kernels", _torch_kernels_why_not, torch_kernels.run),
-    ("hybrid-causal-fused", _hybrid_causal_why_not, hybrid_causal_fused.run),
-    ("hybrid-window-fused", _hybrid_window_why_not, hybrid_window_fused.run),
-    ("hybrid-global-fused", _hybrid_global_why_not, hybrid_global_fused.run),
-    ("hybrid-parts", _hybrid_parts_why_not, hybrid_parts.run),
-    ("fused-causal", _fused_causal_why_not, fused_causal.run),
-    ("fused-bidirectional", _fused_bidirectional_why_not, fused_bidirectional.run),
-    ("portable", _always, portable.run),
+#: Every executor, asked in this order: the first that serves a call runs it.
+EXECUTORS: tuple[Executor, ...] = (
+    decode.EXECUTOR,
+    dask_scan.EXECUTOR,
+    dense_hybrid.EXECUTOR,
+    torch_kernels.EXECUTOR,
+    hybrid_causal_fused.EXECUTOR,
+    hybrid_window_fused.EXECUTOR,
+    hybrid_global_fused.EXECUTOR,
+    hybrid_parts.EXECUTOR,
+    fused_causal.EXECUTOR,
+    fused_bidirectional.EXECUTOR,
+    portable.EXECUTOR,
 )
-_RUN = {name: run for name, _, run in EXECUTORS}
-#: Why each executor serves a call it takes: its requirement's first docstring line.
-_REASONS = {
-    name: (doc := (why_not.__doc__ or "").strip().split("\n")[0].rstrip("."))[:1].lower() + doc[1:]
-    for name, why_not, _ in EXECUTORS
-}
+_BY_NAME = {executor.name: executor for executor in EXECUTORS}
+#: The executors that read no causal scan (asked before it is planned).
+_NO_SCAN = (decode.EXECUTOR,)
+
+
+def executor_named(name: str) -> Executor:
+    """The executor of that name (:attr:`AttentionPlan.executor`)."""
+    return _BY_NAME[name]
 
 
 def _scan_plan(call: Call) -> _dispatch.Plan:
@@ -319,7 +122,7 @@ def _scan_plan(call: Call) -> _dispatch.Plan:
     try:
         scan = _dispatch.scan_plan(call.q, call.feature_map, backend=call.backend)
     except ValueError as error:  # backend="numba" that no kernel serves
-        reasons = [f"{name}: needs a compiled kernel" for name, _, _ in EXECUTORS]
+        reasons = [f"{executor.name}: needs a compiled kernel" for executor in EXECUTORS]
         raise ValueError(f"{error}; no executor serves this call: " + "; ".join(reasons)) from None
     if call.exact_parts and scan.path == "dask-scan":
         scan = _dispatch.scan_plan(call.q, call.feature_map, backend="array_api")
@@ -334,29 +137,35 @@ def plan_call(call: Call) -> AttentionPlan:
     """The executor that runs ``call``, with its reason and every earlier one's."""
     rejected: list[tuple[str, str]] = []
     scan = _DECODE_SCAN
-    for name, why_not, _ in EXECUTORS:
-        if name != "decode" and scan is _DECODE_SCAN:  # (a decoding step never needs it)
+    for executor in EXECUTORS:
+        if executor not in _NO_SCAN and scan is _DECODE_SCAN:
             scan = _scan_plan(call)
-        reason = why_not(call, scan)
-        if reason is None:
-            return AttentionPlan(name, _REASONS[name], tuple(rejected), scan)
-        rejected.append((name, reason))
+        reasons = executor.why_not(call, scan)
+        if not reasons:
+            return AttentionPlan(executor.name, executor.summary, tuple(rejected), scan)
+        rejected.append((executor.name, "; ".join(reasons)))
     raise AssertionError("the portable executor serves every call")  # pragma: no cover
+
+
+def backward_of(plan: AttentionPlan, call: Call) -> Backward | None:
+    """The backward of the executor ``plan`` names, for ``call``, or ``None`` where it has
+    none (the portable adjoint runs): :func:`linattn.linear_attention_vjp` asks here."""
+    return executor_named(plan.executor).backward(call)
 
 
 def execute(call: Call) -> Any:
     """Run ``call`` on its executor; the front door's result (output, or with the state)."""
-    plan = plan_call(call)
-    out, state = _RUN[plan.executor](call, plan, run_call)
+    out, state = run_call(call)
     if call.ungroup is not None:
         out = call.ungroup(out)
     return (out, state) if call.return_state else out
 
 
 def run_call(call: Call) -> Result:
-    """A sub-call's output and state (a Dask chunk's attention), through the plan."""
+    """A call's output and state through the plan (also a Dask chunk's, a torch
+    operator's NumPy call)."""
     plan = plan_call(call)
-    return _RUN[plan.executor](call, plan, run_call)
+    return executor_named(plan.executor).run(call, plan.scan, run_call)
 
 
 sub_calls.set_runner(run_call)  # (for the torch operators, which run outside a call)

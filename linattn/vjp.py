@@ -33,7 +33,7 @@ from linattn._call import (
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
 from linattn._gqa import group_mask
-from linattn._plan import plan_call
+from linattn._plan import backward_of, plan_call
 from linattn._xp import Array, compute_dtype, float_dtype, namespace_of
 from linattn.features import FeatureMap
 from linattn.fitted import add_cotangents
@@ -233,9 +233,8 @@ def _vjp(
         extra={"grad_output": grad_output},
     )
     # The executor linear_attention would run chooses the adjoint (the plan decides once).
-    chosen = plan_call(
-        Call(q, k, v, feature_map, causal, key_mask, chunk_size=chunk_size, backend=backend)
-    )
+    call = Call(q, k, v, feature_map, causal, key_mask, chunk_size=chunk_size, backend=backend)
+    chosen = plan_call(call)
     plan = chosen.scan
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)
@@ -252,23 +251,11 @@ def _vjp(
     m = feature_map.num_features
     # The same statistics linear_attention uses; constants for gradients there too.
     statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
-    # The fused backward passes compute random features only: a fitted map's forward
-    # may run fused, its adjoint runs on log-features (below).
-    fused_adjoint = feature_map.parameters is None
-    if chosen.executor == "fused-bidirectional" and fused_adjoint:
-        # The fused passes: the forward's state, then the gradients, no L x m array.
-        dq, dk, d_values = _dispatch.fused_bidirectional_vjp(
-            q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False)
-        )
-        q, k, v = inputs  # gradients in the callers' dtypes
-        return (
-            sum_to(xp, dq, tuple(q.shape), q.dtype),
-            sum_to(xp, dk, tuple(k.shape), k.dtype),
-            sum_to(xp, d_values, tuple(v.shape), v.dtype),
-        )
-    if chosen.executor == "fused-causal" and fused_adjoint:
-        # The fused causal passes: features recomputed chunk by chunk, no L x m array.
-        dq, dk, d_values = _dispatch.fused_causal_vjp(
+    # The executor's own backward where it has one (the fused passes: no L x m array;
+    # they compute random features only, so a fitted map's adjoint runs on log-features).
+    own = backward_of(chosen, call)
+    if own is not None:
+        dq, dk, d_values = own(
             q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False),
             chunk_size=chunk_size,
         )  # fmt: skip

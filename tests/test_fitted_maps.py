@@ -141,7 +141,7 @@ def test_numpy_paths_match_the_dense_reference() -> None:
     # Without the kernels (numba absent, or $LINATTN_BACKEND=array_api) every scan is
     # the array API's; with them, the fused passes and the one-pass hybrid kernels
     # compute the fitted features.
-    kernels = _dispatch.numpy_kernels_why_not() is None
+    kernels = _dispatch.numpy_kernels_why_not(_dispatch.resolve_backend(None)) is None
     assert ({"numba-cpu", "array-api"} if kernels else {"array-api"}) <= scans
     fused = {"fused-causal", "fused-bidirectional", "hybrid-causal-fused", "hybrid-window-fused"}
     assert ({"portable", *fused} if kernels else {"portable", "hybrid-parts"}) <= executors
@@ -157,7 +157,7 @@ def test_a_zero_far_weight_head_without_near_keys_outputs_zeros() -> None:
     rng = np.random.default_rng(12)
     key_mask = np.ones((1, 1, 9), dtype=bool)
     key_mask[..., 6:] = key_mask[..., 0] = False  # query 8: far keys only
-    kernels = _dispatch.numpy_kernels_why_not() is None
+    kernels = _dispatch.numpy_kernels_why_not(_dispatch.resolve_backend(None)) is None
     torch_backends = (None, "array_api") + (("numba",) if kernels else ())
     for heads, far_weight in ((2, [0.0, 0.6]), (4, [1.7, 0.0])):
         fm = _map(rng, heads, 2, far_weight)
@@ -218,7 +218,7 @@ def test_fused_paths_say_why_not() -> None:
     arrays (forward); torch tensors, which differentiate through the fused backward
     passes, which compute random features only, take the paths that take log-features
     (the plan says so; nothing runs wrong)."""
-    why_not = _dispatch.numpy_kernels_why_not()
+    why_not = _dispatch.numpy_kernels_why_not(_dispatch.resolve_backend(None))
     if why_not is not None:
         pytest.skip(f"no compiled kernels here: {why_not}")
     rng = np.random.default_rng(1)
@@ -243,7 +243,7 @@ def test_random_and_fitted_maps_share_each_kernels_specialisation() -> None:
     """A fitted map's calls run the compiled kernels a random map's calls compiled (the
     same argument types: every input read-only), so ``linattn compile`` and a process
     that uses both compile each kernel once.  Fails if a fitted call adds a signature."""
-    why_not = _dispatch.numpy_kernels_why_not()
+    why_not = _dispatch.numpy_kernels_why_not(_dispatch.resolve_backend(None))
     if why_not is not None:
         pytest.skip(f"no compiled kernels here: {why_not}")
     import importlib
@@ -278,7 +278,7 @@ def test_random_and_fitted_maps_share_each_kernels_specialisation() -> None:
 
 def test_fused_kernels_check_the_parameters() -> None:
     """The fused passes' own entry points name a bad parameter before compiled code runs."""
-    if _dispatch.numpy_kernels_why_not() is not None:
+    if _dispatch.numpy_kernels_why_not(_dispatch.resolve_backend(None)) is not None:
         pytest.skip("no compiled kernels here")
     from linattn_numba import cpu
     from linattn_numba.cpu.bidirectional import favor_bidirectional
@@ -372,7 +372,7 @@ def test_torch_outputs_gradients_and_kernels() -> None:
     q, k, v = _inputs(rng, 4, 2)
     grad = rng.normal(size=(1, 4, 9, DV))
     seen = set()
-    kernels = _dispatch.numpy_kernels_why_not() is None
+    kernels = _dispatch.numpy_kernels_why_not(_dispatch.resolve_backend(None)) is None
     for causal in (True, False):
         for options in _options(causal):
             expected = _reference(q, k, v, fm, causal=causal, **options)
@@ -620,7 +620,8 @@ def test_errors_name_the_argument() -> None:
         la.FeatureMap(D, 7, kind="hedgehog")
     with pytest.raises(ValueError, match="no random draw to redraw"):
         fm.redraw()
-    if _dispatch.numpy_kernels_why_not() is None:  # the kernel's own entry point
+    backend = _dispatch.resolve_backend(None)
+    if _dispatch.numpy_kernels_why_not(backend) is None:  # the kernel's own entry point
         from linattn.fitted import kernel_parameters
         from linattn_numba.cpu import hybrid
 
@@ -1038,7 +1039,7 @@ def test_the_dense_form_is_chosen_for_short_calls() -> None:
     assert why(q, k, v, feature_map=la.FeatureMap(D, N, seed=0)).startswith("no fitted map")
     assert why(q, k, v, causal=True, return_state=True).startswith("a state is asked")
     assert why(*(x.numpy() for x in (q, k, v))) == "not torch CPU tensors or JAX arrays"
-    assert why(q.half(), k.half(), v.half()) == "q is float16"
+    assert why(q.half(), k.half(), v.half()) == "q is float16, not float32 or float64"
     top = dense.MAX_LENGTH["torch"]
     long = [torch.zeros(1, 2, top + 1, D) for _ in range(3)]
     assert why(*long) == f"not self-attention of at most {top} tokens"

@@ -109,11 +109,16 @@ def test_serial_and_parallel_variants_agree(monkeypatch: pytest.MonkeyPatch, win
 def test_other_paths_do_not_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, _ = _inputs()
     fm = la.FeatureMap(D, 16, seed=1)
-    assert _dispatch.hybrid_kernel_for(q) is _hybrid
-    assert _dispatch.hybrid_kernel_for(xps.asarray(q)) is None
+    assert _dispatch.hybrid_kernel_for(q, "auto") is _hybrid
+    assert _dispatch.hybrid_kernel_for(q, "array_api") is None
+    assert _dispatch.hybrid_kernel_for(xps.asarray(q), "auto") is None
     before = _launches()
     la.linear_attention(q, k, v, None, **_options(5, 3))  # no feature map: the window kernel
     la.linear_attention(q, k, v, fm, **{**_options(None, 3), "causal": False})  # no window
+    for causal in (True, False):
+        la.linear_attention(
+            q, k, v, fm, **{**_options(5, 3), "causal": causal}, backend="array_api"
+        )
     monkeypatch.setenv("LINATTN_BACKEND", "array_api")
     la.linear_attention(q, k, v, fm, **_options(5, 3))
     la.linear_attention(q, k, v, fm, **{**_options(5, 3), "causal": False})

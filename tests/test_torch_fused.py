@@ -38,7 +38,7 @@ def test_front_door_on_torch_tensors_matches_array_api() -> None:
     fm = la.FeatureMap(16, 32, seed=1)
     q, k, v, mask = tensors(torch.float32)
     expected = la.linear_attention(q, k, v, fm, key_mask=mask, backend="array_api")
-    assert _dispatch.bidirectional_why_not(q, fm, backend=None) is None
+    assert la.plan_attention(q, k, v, fm, key_mask=mask).executor == "fused-bidirectional"
     out = _dispatch.fused_bidirectional(q, k, v, fm, mask)
     # float32 sums of ~260 terms: a few 1e-7 relative, well inside 1e-5
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -187,13 +187,24 @@ def test_numpy_windows_run_the_kernel_unless_the_portable_code_is_asked_for(
 ) -> None:
     rng = np.random.default_rng(2)
     q, k, v = (rng.normal(size=(2, 12, 4)) for _ in range(3))
-    assert _dispatch.window_kernel_for(q) is _window
-    assert _dispatch.window_kernel_for(xps.asarray(q)) is None
+    assert _dispatch.window_kernel_for(q, "auto") is _window
+    assert _dispatch.window_kernel_for(xps.asarray(q), "auto") is None
+    assert _dispatch.window_kernel_for(q, "array_api") is None
     before = sum(_window._forward.launches.values())
     compiled = la.linear_attention(q, k, v, None, causal=True, window=3, sink_keys=1)
     assert sum(_window._forward.launches.values()) == before + 1
+    # The call's own backend (this was the environment's alone: the kernel ran)...
+    portable = la.linear_attention(
+        q, k, v, None, causal=True, window=3, sink_keys=1, backend="array_api"
+    )
+    assert sum(_window._forward.launches.values()) == before + 1
+    np.testing.assert_allclose(compiled, portable, rtol=1e-12, atol=1e-14)
+    # ... and the environment's, where the call names none.
     monkeypatch.setenv("LINATTN_BACKEND", "array_api")
-    assert _dispatch.window_kernel_for(q) is None
     portable = la.linear_attention(q, k, v, None, causal=True, window=3, sink_keys=1)
     assert sum(_window._forward.launches.values()) == before + 1
     np.testing.assert_allclose(compiled, portable, rtol=1e-12, atol=1e-14)
+    # An explicit backend beats the environment's.
+    again = la.linear_attention(q, k, v, None, causal=True, window=3, sink_keys=1, backend="auto")
+    assert sum(_window._forward.launches.values()) == before + 2
+    np.testing.assert_allclose(again, compiled, rtol=0, atol=0)

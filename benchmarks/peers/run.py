@@ -111,7 +111,6 @@ def make_linattn_torch(q, k, v, causal):
     import torch
 
     import linattn as la
-    from linattn import _dispatch
 
     fm = la.FeatureMap(HEAD_DIM, FEATURES, seed=0)
     tq, tk, tv = (torch.from_numpy(x.copy()) for x in (q, k, v))
@@ -119,7 +118,7 @@ def make_linattn_torch(q, k, v, causal):
         plan = la.causal_plan(tq, fm)
         path = f"{plan.path} fused={plan.fused}"
     else:
-        path = f"fused={_dispatch.bidirectional_why_not(tq, fm, backend=None) is None}"
+        path = f"fused={la.plan_attention(tq, tk, tv, fm).executor == 'fused-bidirectional'}"
 
     def call():
         with torch.inference_mode():

@@ -1,21 +1,46 @@
 """Causal attention in one compiled pass, features included: no ``L x m`` array
-(:func:`linattn._dispatch.fused_causal`; NumPy arrays and torch CPU tensors)."""
+(:func:`linattn._dispatch.fused_causal`; NumPy arrays and torch CPU tensors), and its
+backward (:func:`linattn._dispatch.fused_causal_vjp`, random maps)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from linattn import _dispatch
 from linattn._call import Call
-from linattn.executors.plain import finish, prepare
+from linattn.executors.base import Backward, Executor, Result, Runner, Takes
+from linattn.executors.plain import finish, fitted_fused_why_not, prepare
 
-__all__ = ["run"]
+__all__ = ["EXECUTOR", "FusedCausal"]
 
 
-def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
-    """Run ``call`` (see :mod:`linattn.executors`)."""
-    p = prepare(call, plan.scan)
-    normalised, kv, log_shift = _dispatch.fused_causal(
-        p.q, p.k, p.v, p.feature_map, call.key_mask, p.kv, p.log_shift, chunk_size=p.chunk_size
+class FusedCausal(Executor):
+    name = "fused-causal"
+    summary = "causal features and attention in one compiled pass, no L x m array"
+    takes = Takes(
+        libraries=("numpy", "torch-cpu"),
+        causal=True,
+        exact_parts=False,
+        maps=("random", "fitted"),
+        backends=("auto", "numba"),
     )
-    return finish(call, p, normalised, kv, log_shift)
+
+    def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
+        if call.feature_map is not None and call.feature_map.parameters is not None:
+            return fitted_fused_why_not(call, scan)
+        return [] if scan.fused else [f"no fused pass: {scan.reason}"]
+
+    def run(self, call: Call, scan: _dispatch.Plan, attend: Runner) -> Result:
+        p = prepare(call, scan)
+        normalised, kv, log_shift = _dispatch.fused_causal(
+            p.q, p.k, p.v, p.feature_map, call.key_mask, p.kv, p.log_shift,
+            chunk_size=p.chunk_size,
+        )  # fmt: skip
+        return finish(call, p, normalised, kv, log_shift)
+
+    def backward(self, call: Call) -> Backward | None:
+        """The fused causal passes (features recomputed chunk by chunk, no ``L x m``
+        array); they compute random features only."""
+        fm = call.feature_map
+        return _dispatch.fused_causal_vjp if fm is not None and fm.parameters is None else None
+
+
+EXECUTOR = FusedCausal()

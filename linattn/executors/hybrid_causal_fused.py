@@ -1,19 +1,35 @@
 """Causal window, sinks and the fused far keys in one compiled pass
-(:func:`linattn.paths.fused_causal_parts`)."""
+(:func:`linattn.hybrid.paths.fused_causal_parts`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from linattn import _dispatch
 from linattn._call import Call
-from linattn.executors.parts import finish, prepare
+from linattn.executors.base import Executor, Result, Runner, Takes
+from linattn.executors.parts import finish, fused_far_keys_why_not, prepare
 from linattn.hybrid import paths
 
-__all__ = ["run"]
+__all__ = ["EXECUTOR", "HybridCausalFused"]
 
 
-def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
-    """Run ``call`` (see :mod:`linattn.executors`)."""
-    checked = prepare(call, plan)
-    out, far_state = paths.fused_causal_parts(checked.info.xp, checked.parts)
-    return finish(call, checked, out, far_state)
+class HybridCausalFused(Executor):
+    name = "hybrid-causal-fused"
+    summary = "causal window, sinks and fused far keys in one compiled pass"
+    takes = Takes(
+        libraries=("numpy",),
+        causal=True,
+        exact_parts=True,
+        maps=("random", "fitted"),
+        backends=("auto", "numba"),
+    )
+
+    def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
+        return fused_far_keys_why_not(call, scan)
+
+    def run(self, call: Call, scan: _dispatch.Plan, attend: Runner) -> Result:
+        checked = prepare(call, scan)
+        out, far_state = paths.fused_causal_parts(checked.info.xp, checked.parts)
+        return finish(call, checked, out, far_state)
+
+
+EXECUTOR = HybridCausalFused()

@@ -1,21 +1,30 @@
 """Exact parts (window, sinks, exact keys) and the far keys as separate partials, merged
-as in online softmax (:func:`linattn.paths.hybrid_rows`); every backend."""
+as in online softmax (:func:`linattn.hybrid.paths.hybrid_rows`); every backend.  The
+window part and the far keys' scan run where the call's plan says (compiled on NumPy
+arrays unless ``backend="array_api"``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._call import Call
+from linattn.executors.base import Executor, Result, Runner, Takes
 from linattn.executors.parts import finish, prepare
 from linattn.hybrid import paths
 
-__all__ = ["run"]
+__all__ = ["EXECUTOR", "HybridParts"]
 
 
-def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
-    """Run ``call`` (see :mod:`linattn.executors`)."""
-    checked = prepare(call, plan)
-    xp = checked.info.xp
-    rows, far_state = paths.hybrid_rows(xp, checked.parts)
-    return finish(call, checked, causal_path.normalise(xp, rows), far_state)
+class HybridParts(Executor):
+    name = "hybrid-parts"
+    summary = "exact parts and far keys as partial rows, merged as in online softmax"
+    takes = Takes(exact_parts=True)
+
+    def run(self, call: Call, scan: _dispatch.Plan, attend: Runner) -> Result:
+        checked = prepare(call, scan)
+        xp = checked.info.xp
+        rows, far_state = paths.hybrid_rows(xp, checked.parts)
+        return finish(call, checked, causal_path.normalise(xp, rows), far_state)
+
+
+EXECUTOR = HybridParts()

@@ -1,19 +1,36 @@
 """Bidirectional window, sinks and both lagged far passes in one compiled pass
-(:func:`linattn.paths.fused_bidirectional_parts`)."""
+(:func:`linattn.hybrid.paths.fused_bidirectional_parts`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from linattn import _dispatch
 from linattn._call import Call
-from linattn.executors.parts import finish, prepare
+from linattn.executors.base import Executor, Result, Runner, Takes
+from linattn.executors.parts import finish, fused_far_keys_why_not, prepare
 from linattn.hybrid import paths
 
-__all__ = ["run"]
+__all__ = ["EXECUTOR", "HybridWindowFused"]
 
 
-def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
-    """Run ``call`` (see :mod:`linattn.executors`)."""
-    checked = prepare(call, plan)
-    out = paths.fused_bidirectional_parts(checked.info.xp, checked.parts)
-    return finish(call, checked, out, {})
+class HybridWindowFused(Executor):
+    name = "hybrid-window-fused"
+    summary = "bidirectional window, sinks and both fused far passes in one compiled pass"
+    takes = Takes(
+        libraries=("numpy",),
+        causal=False,
+        exact_parts=True,
+        window=True,
+        maps=("random", "fitted"),
+        backends=("auto", "numba"),
+    )
+
+    def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
+        return fused_far_keys_why_not(call, scan)
+
+    def run(self, call: Call, scan: _dispatch.Plan, attend: Runner) -> Result:
+        checked = prepare(call, scan)
+        out = paths.fused_bidirectional_parts(checked.info.xp, checked.parts)
+        return finish(call, checked, out, {})
+
+
+EXECUTOR = HybridWindowFused()

@@ -19,7 +19,7 @@ from linattn.features import FeatureMap
 from linattn.hybrid import build
 from linattn.state import LinearAttentionState, empty_state
 
-__all__ = ["Prepared", "finish", "prepare"]
+__all__ = ["Prepared", "finish", "fitted_fused_why_not", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,15 @@ def prepare(call: Call, scan: _dispatch.Plan) -> Prepared:
         kv = xp.broadcast_to(state.kv, (*batch, m, info.value_dim + 1))
         log_shift = xp.broadcast_to(state.log_shift, (*batch, m))
     return Prepared(info, feature_map, q, k, v, batch, kv, log_shift, chunk_size, statistics, work)
+
+
+def fitted_fused_why_not(call: Call, scan: _dispatch.Plan) -> list[str]:
+    """A fitted map in the fused forward passes, which compute its features per block:
+    NumPy arrays only (torch tensors differentiate through the fused backward passes,
+    which compute random features only), where a compiled kernel serves them."""
+    if _dispatch.library_of(call.q) != "numpy":
+        return ["a fitted map: the fused passes compute its features for NumPy arrays only"]
+    return [] if scan.kernel is not None else [f"no compiled kernel: {scan.reason}"]
 
 
 def finish(

@@ -4,29 +4,31 @@ bidirectional pass.  Serves every call without exact parts."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from linattn import _dispatch
 from linattn import causal as causal_path
 from linattn._call import Call, attend, attention_operands
+from linattn.executors.base import Executor, Result, Runner, Takes
 from linattn.executors.plain import finish, prepare
 
-__all__ = ["run"]
+__all__ = ["EXECUTOR", "Portable"]
 
 
-def run(call: Call, plan: Any, sub_call: Any) -> tuple[Any, Any]:
-    """Run ``call`` (see :mod:`linattn.executors`)."""
-    p = prepare(call, plan.scan)
-    xp = p.info.xp
-    operands = attention_operands(
-        p.q, p.k, p.v, p.feature_map, p.info, p.batch, call.key_mask, p.work, p.statistics
-    )
-    outputs_aug, kv, log_shift = attend(
-        xp,
-        operands,
-        p.kv,
-        p.log_shift,
-        causal=call.causal,
-        chunk_size=p.chunk_size,
-        plan=plan.scan,
-    )
-    return finish(call, p, causal_path.normalise(xp, outputs_aug), kv, log_shift)
+class Portable(Executor):
+    name = "portable"
+    summary = "features in the array API, then the causal scan on its path or one pass"
+    takes = Takes(exact_parts=False)  # (every call with exact parts: hybrid-parts)
+
+    def run(self, call: Call, scan: _dispatch.Plan, attend_sub_call: Runner) -> Result:
+        p = prepare(call, scan)
+        xp = p.info.xp
+        operands = attention_operands(
+            p.q, p.k, p.v, p.feature_map, p.info, p.batch, call.key_mask, p.work, p.statistics
+        )
+        outputs_aug, kv, log_shift = attend(
+            xp, operands, p.kv, p.log_shift, causal=call.causal, chunk_size=p.chunk_size,
+            plan=scan,
+        )  # fmt: skip
+        return finish(call, p, causal_path.normalise(xp, outputs_aug), kv, log_shift)
+
+
+EXECUTOR = Portable()

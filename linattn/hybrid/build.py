@@ -186,7 +186,12 @@ def causal_parts(
         scatter = _scatter_first(xp, length) if state is None else _no_gradient
         found.append(ExactKeysPart(q, sinks[0], sinks[1], visible, scale, scatter))
     if w:
-        found.append(WindowPart(q, k, v, kept, w, scale, before=(lead[0], lead[1])))
+        found.append(
+            WindowPart(
+                q, k, v, kept, w, scale, before=(lead[0], lead[1]),
+                kernel=_dispatch.window_kernel_for(q, plan.backend),
+            )
+        )  # fmt: skip
     fields: dict[str, Any] = {"kv": None, "log_shift": None, "sinks": sinks, "recent": None}
     if w:  # the last w keys of the cache followed by the call's
         fields["recent"] = (
@@ -318,6 +323,7 @@ def bidirectional_parts(
             WindowPart(
                 q, k, v, _pad_keys(xp, rest, w, w - 1), 2 * w - 1, scale,
                 before=(zeros[0], zeros[2]), after=(zeros[1], zeros[3]),
+                kernel=_dispatch.window_kernel_for(q, plan.backend),
             )
         )  # fmt: skip
     if feature_map is not None:

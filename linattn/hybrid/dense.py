@@ -21,7 +21,8 @@ float's range, a query and a key whose features overlap only where both are belo
 keep it, and it matters only to a row whose near part is as small.)  Random maps, whose
 log-features grow with a key's norm, keep the scans.
 
-Which calls run here is :mod:`linattn._plan`'s decision (:func:`max_length`).
+Which calls run here is decided in one place, :func:`why_not` (the limits of
+:func:`max_length`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "hybrid_from_features",
     "max_length",
     "near_and_far",
+    "why_not",
 ]
 
 #: The longest bidirectional self-attention the plan gives the dense form, per kind of
@@ -72,7 +74,15 @@ __all__ = [
 #:
 #: The dense form holds ``L x L`` weights per head, in blocks of batch rows
 #: (:data:`BLOCK_ELEMENTS`) where nothing is differentiated.
-MAX_LENGTH = {"torch": 512, "torch-grad": 512, "jax": 384}
+#:
+#: - ``"parameters"``: :func:`linattn.torch.fitted_attention` and
+#:   :func:`linattn.jax.fitted_attention` with the map's parameters as differentiable
+#:   arrays (``dense=None``), against the library's path with parameter cotangents
+#:   (forward and backward in every input and parameter, MiniLM's shape, one run): it took
+#:   4.5x / 2.4x / 2.0x / 1.05x the dense form's time at 128 / 256 / 320 / 384 tokens,
+#:   0.81x at 512 (``benchmarks/refine_attention_speed.py --lengths 128 256 320 384
+#:   512``).
+MAX_LENGTH = {"torch": 512, "torch-grad": 512, "jax": 384, "parameters": 384}
 
 #: The same for causal calls, whose dense form computes the weights after each query too
 #: (and zeroes them).  torch: the kernels took 1.5x / 1.3x / 1.3x / 1.0x / 0.84x the
@@ -81,7 +91,7 @@ MAX_LENGTH = {"torch": 512, "torch-grad": 512, "jax": 384}
 #: / 192 / 384 / 512 (peak memory at 512 tokens 1.6 GiB against 0.74 GiB); JAX: the
 #: parts took 1.64x / 1.01x / 1.0x its forward time at 128 / 192 / 256 tokens, 1.51x /
 #: 1.32x / 0.99x its gradient's (``--jax --causal``).
-CAUSAL_MAX_LENGTH = {"torch": 192, "torch-grad": 512, "jax": 192}
+CAUSAL_MAX_LENGTH = {"torch": 192, "torch-grad": 512, "jax": 192, "parameters": 384}
 
 #: About how many ``L x L`` weights the dense form holds at once: rows of the batch are
 #: computed in blocks of at most this many weights (at least one row), which keeps the
@@ -90,10 +100,31 @@ BLOCK_ELEMENTS = 1 << 22
 
 
 def max_length(causal: bool, kind: str) -> int:
-    """The longest self-attention the plan gives the dense form for a ``kind`` of call
-    (``"torch"``, ``"torch-grad"`` or ``"jax"``): :data:`MAX_LENGTH` and
-    :data:`CAUSAL_MAX_LENGTH`."""
+    """The longest self-attention given the dense form for a ``kind`` of call
+    (``"torch"``, ``"torch-grad"``, ``"jax"`` or ``"parameters"``): :data:`MAX_LENGTH`
+    and :data:`CAUSAL_MAX_LENGTH`."""
     return (CAUSAL_MAX_LENGTH if causal else MAX_LENGTH)[kind]
+
+
+def why_not(causal: bool, kind: str, query_length: int, key_length: int) -> str | None:
+    """Why the dense form does not serve a fitted hybrid call of these lengths (else
+    ``None``): the one place that decides dense form or scans, for the plan's
+    ``dense-hybrid`` executor and for :func:`linattn.torch.fitted_attention` /
+    :func:`linattn.jax.fitted_attention` (``kind="parameters"``).
+
+    Examples
+    --------
+    >>> why_not(False, "torch", 128, 128) is None
+    True
+    >>> why_not(True, "torch", 300, 300)
+    'not causal self-attention of at most 192 tokens'
+    """
+    limit = max_length(causal, kind)
+    if key_length != query_length or query_length > limit:
+        what = ("causal " if causal else "") + "self-attention"
+        note = " with a gradient" if kind == "torch-grad" else ""
+        return f"not {what} of at most {limit} tokens{note}"
+    return None
 
 
 def dense_attention(

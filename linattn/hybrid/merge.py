@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from linattn import _dispatch
 from linattn._xp import Array, Namespace, array_device, constant, from_host, safe_shift
 
 __all__ = [
@@ -71,16 +71,18 @@ def banded_partial(
     keep: Array,
     span: int,
     scale: float,
+    *,
+    kernel: Any = None,
 ) -> Partial:
     """Query ``i`` against ``keys[i + 1 .. i + span]`` exactly: the window part.
 
     ``keys`` (``(..., T + span, d)``) hold the band's keys in position order (the
     caller pads them), ``keep`` (``(..., T + span)``) which of them take part.  Blocks of
     ``B >= span`` queries see their own key block and the next (``(B, 2B)`` logits),
-    so the cost is ``O(T B d)``, linear in ``T``.  NumPy arrays run the compiled kernel
-    (``linattn_numba.cpu.window``) where it imports: the same contract, ``O(T span d)``.
+    so the cost is ``O(T B d)``, linear in ``T``.  ``kernel``, where the call's plan chose
+    it (:func:`linattn._dispatch.window_kernel_for`), is the compiled window part
+    (``linattn_numba.cpu.window``) that runs instead: the same contract, ``O(T span d)``.
     """
-    kernel = _dispatch.window_kernel_for(q)
     if kernel is not None:
         partial: tuple[Array, Array] = kernel.banded_partial(q, keys, values, keep, span, scale)
         return partial

@@ -81,6 +81,7 @@ class WindowPart(Part):
     scale: float
     before: tuple[Array, Array]  # keys and values before the call's (``first`` rows)
     after: tuple[Array, Array] | None = None  # and after them (bidirectional padding)
+    kernel: Any = None  # the compiled window part the call's plan chose, or None
 
     @property
     def first(self) -> int:
@@ -103,15 +104,16 @@ class WindowPart(Part):
 
     def rows(self, xp: Namespace) -> Partial:
         keys, values = self.band(xp)
-        return banded_partial(xp, self.q, keys, values, self.keep, self.span, self.scale)
+        return banded_partial(
+            xp, self.q, keys, values, self.keep, self.span, self.scale, kernel=self.kernel
+        )
 
     def backward(self, xp: Namespace, g: Array, partial: Partial) -> tuple[Array | None, ...]:
         calls = slice(self.first, self.first + self.q.shape[-2])  # the call's own keys
         keys, values = self.band(xp)
-        kernel = _dispatch.window_kernel_for(self.q)
-        if kernel is not None:  # (partial is this kernel's: rows() ran it)
+        if self.kernel is not None:  # (partial is this kernel's: rows() ran it)
             args = (self.q, keys, values, self.keep, self.span, self.scale)
-            dq, dk, dv = kernel.banded_partial_backward(*args, partial[1], g)
+            dq, dk, dv = self.kernel.banded_partial_backward(*args, partial[1], g)
             return dq, dk[..., calls, :], dv[..., calls, :]
         band = Band.of(xp, self.q, keys, values, self.keep, self.span)
         logits = xp.matmul(band.queries, xp.matrix_transpose(band.keys)) * self.scale

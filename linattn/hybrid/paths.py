@@ -47,7 +47,7 @@ def fused_causal_parts(xp: Namespace, found: list[Part]) -> tuple[Array, dict[st
     (part,) = [p for p in found if isinstance(p, FarPart)]
     window = [p for p in found if isinstance(p, WindowPart)]
     sinks = [p for p in found if isinstance(p, ExactKeysPart)]
-    kernel = _dispatch.hybrid_kernel_for(part.q)
+    kernel = _dispatch.hybrid_kernel_for(part.q, part.plan.backend)
     batch = tuple(part.q.shape[:-2])
     dv = part.v.shape[-1]
     if window:
@@ -83,7 +83,7 @@ def fused_bidirectional_parts(xp: Namespace, found: list[Part]) -> Array:
     (:func:`linattn_numba.cpu.hybrid.bidirectional_forward`; ``linattn._plan`` chose it)."""
     part = next(p for p in found if isinstance(p, FarPart))
     sinks = [p for p in found if isinstance(p, ExactKeysPart)]
-    kernel = _dispatch.hybrid_kernel_for(part.q)
+    kernel = _dispatch.hybrid_kernel_for(part.q, part.plan.backend)
     batch = tuple(part.q.shape[:-2])
     length = part.q.shape[-2]
     projection, hyperbolic, fitted_arrays = _far_map_arrays(xp, part, batch)
