@@ -32,7 +32,7 @@ def test_array_api_passes(
 
     def run(tokens: int) -> Any:
         def call() -> Any:
-            monkeypatch.setattr(_dispatch, "EAGER_CPU_TOKENS_PER_PASS", tokens)
+            monkeypatch.setattr(_dispatch.scan, "EAGER_CPU_TOKENS_PER_PASS", tokens)
             return la.linear_attention(q, k, v, feature_map, causal=True, backend="array_api")
 
         return call

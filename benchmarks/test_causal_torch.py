@@ -9,7 +9,7 @@ Paths, forward (``la.linear_attention``):
   through ``linattn::causal_fused_forward``;
 * ``torch old``: the route torch tensors took before (features in torch, then
   ``linattn::causal_forward`` on ``L x m`` log-features), forced by making
-  ``linattn._dispatch._fused`` answer False.
+  ``linattn._dispatch.scan.fused_pass`` answer False.
 
 Forward and backward: ``torch fused`` and ``torch old`` are the forward plus
 ``torch.autograd.grad`` of ``sum(g * out)`` for ``q``, ``k``, ``v``; ``numpy fused`` is
@@ -54,7 +54,7 @@ PATHS = textwrap.dedent(
 
 
     def old_route():
-        return mock.patch.object(_dispatch, "_fused", lambda x, feature_map: False)
+        return mock.patch.object(_dispatch.scan, "fused_pass", lambda x, feature_map: False)
 
 
     def torch_forward(q, k, v):

@@ -106,7 +106,7 @@ def check_dense_call(
     map of zeros of the parameters' shapes, and remembered; the values are checked on
     every call in the parameters' own array library (:func:`linattn.fitted.check_values`).
 
-    ``parameters`` maps :data:`PARAMETERS` names to arrays, numbers or None.
+    ``parameters`` maps :data:`linattn.jax.PARAMETERS` names to arrays, numbers or None.
     """
     present = {name: x for name, x in parameters.items() if x is not None}
     key = _structure(q, k, v, present, tied, scale, options)

@@ -389,8 +389,9 @@ def convert(
         (:meth:`linattn.transfer.LayerFit.error_shares`), typically heads that look one
         key up, which no small feature map follows (``docs/estimators.md``, "Exact
         heads").  Each costs exact attention's ``O(L^2)`` time and memory; decoding,
-        :class:`LinearAttentionCache` keeps the keys and values of the key heads they
-        read (a KV cache of those heads, growing with the length).
+        :class:`linattn.integrations.transformers.LinearAttentionCache` keeps the keys
+        and values of the key heads they read (a KV cache of those heads, growing with
+        the length).
     stitch : {"exact", "converted"}
         Fit layer ``l`` on the exact model's activations, or on those of the model whose
         layers before ``l`` are already converted.

@@ -206,8 +206,9 @@ def refine(
     -------
     model
         The same model running ``attn_implementation="linattn"`` with the refined maps;
-        the conversion record that :func:`save_fitted` writes gains ``"refine"`` (steps,
-        the step kept, validation errors).
+        the conversion record that
+        :func:`linattn.integrations.transformers_convert.save_fitted` writes gains
+        ``"refine"`` (steps, the step kept, validation errors).
 
     Raises
     ------

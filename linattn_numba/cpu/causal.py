@@ -23,7 +23,7 @@ fight Numba's), and the exponentials use a vectorisable ``exp``
 :mod:`linattn_numba.cpu.chunks`.
 
 Entry points: :func:`numpy_forward` / :func:`numpy_backward` (the kernel contract
-of ``linattn_numba``).  :func:`linattn_numba.cpu.api.causal_kernel` serves them (or, for
+of ``linattn_numba``).  :func:`linattn_numba.libraries.cpu_causal_kernel` serves them (or, for
 torch CPU tensors, the custom operators of :mod:`linattn_numba.torch_ops`), and
 :func:`linattn_numba.cpu.fused_causal.favor_causal` also computes the features and
 normalises chunk by chunk, so that no ``L x m`` array exists (what long sequences need).
@@ -35,8 +35,9 @@ outputs), because numerator and denominator share every shift.  Chunk states are
 recomputed forward, never rebuilt by subtraction (``docs/algorithm.md``, section 13): all of a
 head's chunk states are kept when they fit in :data:`STORE_BYTES`, else ``sqrt(N)``
 checkpoints are, and each segment is recomputed from its checkpoint.  Key features
-are recomputed per chunk (mostly from ``psi``, see :func:`key_features`), not
-stored, and each worker thread reuses one set of buffers for all its heads.
+are recomputed per chunk (mostly from ``psi``, see
+:func:`linattn_numba.cpu.chunks.key_features`), not stored, and each worker thread
+reuses one set of buffers for all its heads.
 """
 
 from __future__ import annotations

@@ -112,11 +112,11 @@ def favor_causal(
     """Causal FAVOR+ in one pass: features, attention and normalisation chunk by chunk.
 
     The same results as ``FeatureMap.signed_log_features`` followed by
-    :func:`numpy_forward` and ``linattn.causal.normalise`` for the ``"positive"`` and
-    ``"hyperbolic"`` kinds, without ever holding an ``L x m`` feature array: memory
-    above inputs and outputs is ``O(C m)`` per thread.  Inputs must already be
-    checked by ``linattn`` (shapes broadcast, one floating dtype); they are cast to
-    the compute dtype (float64 stays, all else float32).
+    :func:`linattn_numba.cpu.causal.numpy_forward` and ``linattn.causal.normalise`` for
+    the ``"positive"`` and ``"hyperbolic"`` kinds, without ever holding an ``L x m``
+    feature array: memory above inputs and outputs is ``O(C m)`` per thread.  Inputs
+    must already be checked by ``linattn`` (shapes broadcast, one floating dtype); they
+    are cast to the compute dtype (float64 stays, all else float32).
 
     With ``fitted`` (a fitted map's parameters broadcast to the batch axes, as
     ``linattn.fitted.kernel_parameters`` gives them, in the compute dtype) the features

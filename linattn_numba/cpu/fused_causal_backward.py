@@ -225,7 +225,8 @@ def backward(
     grad_log_normaliser: np.ndarray | None = None,
     grad_kv: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Gradients ``(dq, dk, dv, d_kv)`` of :func:`forward`, stabilisers held constant.
+    """Gradients ``(dq, dk, dv, d_kv)`` of :func:`linattn_numba.cpu.fused_causal.forward`,
+    stabilisers held constant.
 
     For cotangents ``grad_output`` of the normalised outputs, ``grad_log_normaliser`` of
     the log-normaliser and ``grad_kv`` of the final state (``None``: zero), given the
