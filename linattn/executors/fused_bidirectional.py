@@ -4,10 +4,12 @@ features included (:func:`linattn._dispatch.fused_bidirectional`), and its backw
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from linattn import _dispatch
 from linattn._call import Call
-from linattn.executors.base import Backward, Executor, Result, Runner, Takes
-from linattn.executors.plain import finish, fitted_fused_why_not, prepare
+from linattn.executors.base import Backward, Executor, Result, Runner
+from linattn.executors.plain import FUSED_TAKES, finish, fitted_fused_why_not, prepare
 
 __all__ = ["EXECUTOR", "FusedBidirectional"]
 
@@ -15,13 +17,7 @@ __all__ = ["EXECUTOR", "FusedBidirectional"]
 class FusedBidirectional(Executor):
     name = "fused-bidirectional"
     summary = "bidirectional features, state and readout in the fused compiled pass"
-    takes = Takes(
-        libraries=("numpy", "torch-cpu"),
-        causal=False,
-        exact_parts=False,
-        maps=("random", "fitted"),
-        backends=("auto", "numba"),
-    )
+    takes = replace(FUSED_TAKES, causal=False)
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         fm = call.feature_map

@@ -4,10 +4,12 @@ backward (:func:`linattn._dispatch.fused_causal_vjp`, random maps)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from linattn import _dispatch
 from linattn._call import Call
-from linattn.executors.base import Backward, Executor, Result, Runner, Takes
-from linattn.executors.plain import finish, fitted_fused_why_not, prepare
+from linattn.executors.base import Backward, Executor, Result, Runner
+from linattn.executors.plain import FUSED_TAKES, finish, fitted_fused_why_not, prepare
 
 __all__ = ["EXECUTOR", "FusedCausal"]
 
@@ -15,13 +17,7 @@ __all__ = ["EXECUTOR", "FusedCausal"]
 class FusedCausal(Executor):
     name = "fused-causal"
     summary = "causal features and attention in one compiled pass, no L x m array"
-    takes = Takes(
-        libraries=("numpy", "torch-cpu"),
-        causal=True,
-        exact_parts=False,
-        maps=("random", "fitted"),
-        backends=("auto", "numba"),
-    )
+    takes = replace(FUSED_TAKES, causal=True)
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         if call.feature_map is not None and call.feature_map.parameters is not None:

@@ -8,6 +8,7 @@ is one check (:func:`linattn.executors.parts.fused_far_keys_why_not`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from linattn import _dispatch
@@ -21,11 +22,21 @@ from linattn.hybrid.parts import Part
 __all__ = [
     "CAUSAL",
     "GLOBAL",
+    "TAKES",
     "WINDOW",
     "HybridCausalFused",
     "HybridGlobalFused",
     "HybridWindowFused",
 ]
+
+
+#: What every one-pass hybrid executor takes; each narrows it.
+TAKES = Takes(
+    libraries=("numpy",),
+    exact_parts=True,
+    maps=("random", "fitted"),
+    backends=("auto", "numba"),
+)
 
 
 class _OnePass(Executor):
@@ -47,13 +58,7 @@ class _OnePass(Executor):
 class HybridCausalFused(_OnePass):
     name = "hybrid-causal-fused"
     summary = "causal window, sinks and fused far keys in one compiled pass"
-    takes = Takes(
-        libraries=("numpy",),
-        causal=True,
-        exact_parts=True,
-        maps=("random", "fitted"),
-        backends=("auto", "numba"),
-    )
+    takes = replace(TAKES, causal=True)
 
     def one_pass(self, xp: Namespace, parts: list[Part]) -> tuple[Array, dict[str, Any]]:
         return paths.fused_causal_parts(xp, parts)
@@ -62,14 +67,7 @@ class HybridCausalFused(_OnePass):
 class HybridWindowFused(_OnePass):
     name = "hybrid-window-fused"
     summary = "bidirectional window, sinks and both fused far passes in one compiled pass"
-    takes = Takes(
-        libraries=("numpy",),
-        causal=False,
-        exact_parts=True,
-        window=True,
-        maps=("random", "fitted"),
-        backends=("auto", "numba"),
-    )
+    takes = replace(TAKES, causal=False, window=True)
 
     def one_pass(self, xp: Namespace, parts: list[Part]) -> tuple[Array, dict[str, Any]]:
         return paths.fused_bidirectional_parts(xp, parts), {}
@@ -78,14 +76,8 @@ class HybridWindowFused(_OnePass):
 class HybridGlobalFused(_OnePass):
     name = "hybrid-global-fused"
     summary = "bidirectional exact keys without a window, far keys in the fused global pass"
-    takes = Takes(
-        libraries=("numpy",),
-        causal=False,
-        exact_parts=True,
-        window=False,
-        maps=("random",),  # (the fused bidirectional pass computes random features only)
-        backends=("auto", "numba"),
-    )
+    # (the fused bidirectional pass computes random features only)
+    takes = replace(TAKES, causal=False, window=False, maps=("random",))
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         if call.sink_keys == 0 and call.exact_key_mask is None:

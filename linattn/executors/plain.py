@@ -15,11 +15,22 @@ from linattn._call import Call, call_statistics, check_state, drop_masked_keys, 
 from linattn._checks import check_attention_inputs, check_state_options
 from linattn._xp import Array, compute_dtype
 from linattn.calibration import Statistics
+from linattn.executors.base import Takes
 from linattn.features import FeatureMap
 from linattn.hybrid import build
 from linattn.state import LinearAttentionState, empty_state
 
-__all__ = ["Prepared", "finish", "fitted_fused_why_not", "prepare"]
+__all__ = ["FUSED_TAKES", "Prepared", "finish", "fitted_fused_why_not", "prepare"]
+
+
+#: What the fused passes take (features computed in the pass: NumPy arrays and torch CPU
+#: tensors, no exact parts); the causal and the bidirectional executor narrow it.
+FUSED_TAKES = Takes(
+    libraries=("numpy", "torch-cpu"),
+    exact_parts=False,
+    maps=("random", "fitted"),
+    backends=("auto", "numba"),
+)
 
 
 @dataclass(frozen=True)

@@ -37,14 +37,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from linattn.attention import with_exact_heads
+from linattn.conversion import FitOptions, check_conversion, convert_layers
 from linattn.features import FeatureMap
 from linattn.transfer import (
     EXACT_HEADS_ENTRY,
     SINK_KEYS,
     LayerBatch,
-    LayerFit,
     exact_heads_of,
-    fit_layer,
     load_maps,
     save_maps,
 )
@@ -274,16 +273,39 @@ def _run(model: Model, batch: dict[str, Any], capture: _Capture) -> LayerBatch |
     return None
 
 
-def _layer(
-    model: Model, batches: list[dict[str, Any]], capture: _Capture, layer: int
-) -> list[LayerBatch]:
-    capture.target = layer
-    out: list[LayerBatch] = []
-    for batch in batches:
-        captured = _run(model, batch, capture)
-        assert captured is not None
-        out.append(captured)
-    return out
+class _ModelLayers:
+    """A transformers model's side of :func:`linattn.conversion.convert_layers`: each
+    layer's activations captured from the model's own forward pass (stopped at the layer;
+    the layers before it exact or converted as ``capture.stitch`` says), each fitted map
+    held by its attention module."""
+
+    def __init__(self, model: Model, capture: _Capture, inputs: dict[str, list[dict[str, Any]]]):
+        self.model, self.catcher, self.inputs = model, capture, inputs
+
+    @property
+    def count(self) -> int:
+        return len(self.catcher.order)
+
+    def capture(self, layer: int, split: str) -> list[LayerBatch]:
+        self.catcher.target = layer
+        out: list[LayerBatch] = []
+        for batch in self.inputs[split]:
+            captured = _run(self.model, batch, self.catcher)
+            assert captured is not None
+            out.append(captured)
+        return out
+
+    def fit_options(self, layer: int) -> dict[str, Any]:
+        return {"causal": self.catcher.causal, "scale": self.catcher.scaling}
+
+    def install(self, layer: int, feature_map: FeatureMap | None, heads: tuple[int, ...]) -> None:
+        module = self.catcher.order[layer]
+        module.__dict__[FITTED] = feature_map
+        if heads:
+            module.__dict__[EXACT_HEADS] = heads
+
+    def advance(self, layer: int) -> None:
+        pass  # (every capture runs the model from its inputs)
 
 
 @dataclass
@@ -331,13 +353,6 @@ def use_linattn(model: Model) -> None:
         )
     if model.config._attn_implementation != _NAME:
         model.set_attn_implementation(_NAME)
-
-
-def _prefixed(progress: Callable[[str], None] | None, prefix: str) -> Callable[[str], None] | None:
-    if progress is None:
-        return None
-    report = progress
-    return lambda line: report(prefix + line)
 
 
 # -- the conversion -----------------------------------------------------------------------
@@ -414,11 +429,7 @@ def convert(
         above a layer's heads, options the integration refuses (named as
         ``config.linattn``'s).  The model is left as it was.
     """
-    if stitch not in ("exact", "converted"):
-        raise ValueError(f"stitch must be 'exact' or 'converted'; got {stitch!r}")
-    given: object = exact_heads  # (what was given: the annotation says what to give)
-    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
-        raise ValueError(f"exact_heads must be an integer >= 0; got {given!r}")
+    check_conversion(stitch, exact_heads)
     fit_inputs = check_batches(batches, "batches")
     val_inputs = check_batches(validation, "validation")
     options = {
@@ -426,7 +437,6 @@ def convert(
         "exact_keys": exact_keys,
     }  # fmt: skip
     saved = save_state(model)
-    fits: list[LayerFit] = []
     try:
         for module, _ in saved.maps:  # a new conversion starts from the exact model
             del module.__dict__[FITTED]
@@ -443,29 +453,20 @@ def convert(
                     f"{type(model).__name__} made no attention call through transformers' "
                     "attention interface: convert cannot reach its attention"
                 )
-            for layer, module in enumerate(capture.order):
-                fit_data = _layer(model, fit_inputs, capture, layer)
-                val_data = _layer(model, val_inputs, capture, layer)
-                result = fit_layer(
-                    fit_data, val_data, num_features=num_features, window=window,
-                    sink_keys=sink_keys, causal=capture.causal, scale=capture.scaling,
-                    steps=steps, learning_rate=learning_rate, seed=seed + layer,
-                    progress=_prefixed(progress, f"layer {layer}: "),
-                )  # fmt: skip
-                module.__dict__[FITTED] = result.feature_map
-                if exact_heads:
-                    module.__dict__[EXACT_HEADS] = result.worst_heads(exact_heads)
-                fits.append(result)
-                del fit_data, val_data
+            layers = _ModelLayers(model, capture, {"fit": fit_inputs, "validation": val_inputs})
+            fit_options = FitOptions(
+                num_features, window, sink_keys, steps, learning_rate, seed, exact_heads
+            )
+            fits = convert_layers(layers, fit_options, progress=progress)
     except BaseException:
         restore_state(model, saved)
         raise
     model.train(saved.training)
     model.__dict__["_linattn_conversion"] = {
         "stitch": stitch, "steps": steps, "learning_rate": learning_rate, "seed": seed,
-        "validation_error": [f.validation_error.tolist() for f in fits],
-        "exact_parts_error": [f.exact_parts_error.tolist() for f in fits],
-        "error_shares": [f.error_shares().tolist() for f in fits],
+        "validation_error": [f.validation_error.tolist() for f in fits if f is not None],
+        "exact_parts_error": [f.exact_parts_error.tolist() for f in fits if f is not None],
+        "error_shares": [f.error_shares().tolist() for f in fits if f is not None],
         "exact_heads": [list(m.__dict__.get(EXACT_HEADS, ())) for m in capture.order],
     }  # fmt: skip
     return model
@@ -515,7 +516,7 @@ def layer_errors(
         with torch.no_grad():
             _run(model, inputs[0], capture)
             for layer, module in enumerate(capture.order):
-                data = _layer(model, inputs, capture, layer)
+                data = _ModelLayers(model, capture, {"batches": inputs}).capture(layer, "batches")
                 fm = module.__dict__.get(FITTED)
                 if fm is None:
                     raise ValueError(f"attention layer {layer} has no fitted map: convert first")

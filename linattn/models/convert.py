@@ -11,6 +11,9 @@ Stitching the layers (``stitch``):
 * ``"converted"``: layer ``l`` is fitted on the activations produced with the layers
   before it already converted (each fit sees the inputs it will meet).
 
+The layer loop is :func:`linattn.conversion.convert_layers`, shared with the transformers
+integration; this module is the encoder's adapter to it.
+
 The fitted maps save to and load from one safetensors file with the model's fingerprint
 and the library version (:func:`save_fitted`, :func:`load_fitted`).
 """
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 
 import linattn as la
+from linattn.conversion import FitOptions, check_conversion, convert_layers
 from linattn.models.bert import BertEncoder, exact_attention
 from linattn.transfer import (
     EXACT_HEADS_ENTRY,
@@ -33,7 +37,6 @@ from linattn.transfer import (
     LayerBatch,
     LayerFit,
     exact_heads_of,
-    fit_layer,
     load_maps,
     save_maps,
 )
@@ -149,27 +152,72 @@ class ConvertedEncoder:
         return float(sum(f.seconds for f in self.fits if f is not None))
 
 
-def _layer_batches(
-    encoder: BertEncoder,
-    hidden: list[np.ndarray],
-    batches: Sequence[Batch],
-    layer: int,
-    exact_sep: bool = True,
-) -> tuple[list[LayerBatch], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
-    out, qkv = [], []
-    for h, (_, mask) in zip(hidden, batches, strict=True):
-        q, k, v = encoder.qkv(h, layer)
-        exact = sep_mask(mask) if exact_sep else None
-        out.append(LayerBatch(q, k, v, np.asarray(mask, dtype=bool), exact))
-        qkv.append((q, k, v))
-    return out, qkv
+class _EncoderLayers:
+    """The NumPy BERT encoder's side of :func:`linattn.conversion.convert_layers`: the
+    calibration splits' hidden states streamed layer by layer (memory holds one layer's,
+    never every layer's queries and keys), the fitted maps gathered in ``attention``."""
 
+    def __init__(
+        self,
+        encoder: BertEncoder,
+        splits: dict[str, list[Batch]],
+        attention: FittedAttention,
+        stitch: str,
+    ) -> None:
+        self.encoder, self.splits, self.attention, self.stitch = encoder, splits, attention, stitch
+        self.hidden = {
+            name: [encoder.embed(np.asarray(ids)) for ids, _ in batches]
+            for name, batches in splits.items()
+        }
+        self.layer: int | None = None  # the layer whose activations are below
+        self.data: dict[str, tuple[list[LayerBatch], list[Any]]] = {}
 
-def _prefixed(progress: Callable[[str], None] | None, prefix: str) -> Callable[[str], None] | None:
-    if progress is None:
-        return None
-    report = progress
-    return lambda line: report(prefix + line)
+    @property
+    def count(self) -> int:
+        return self.encoder.config.num_layers
+
+    def _activations(self, layer: int) -> dict[str, tuple[list[LayerBatch], list[Any]]]:
+        if self.layer != layer:
+            self.layer, self.data = layer, {}
+            for name, batches in self.splits.items():
+                out, qkv = [], []
+                for h, (_, mask) in zip(self.hidden[name], batches, strict=True):
+                    q, k, v = self.encoder.qkv(h, layer)
+                    exact = sep_mask(mask) if self.attention.exact_sep else None
+                    out.append(LayerBatch(q, k, v, np.asarray(mask, dtype=bool), exact))
+                    qkv.append((q, k, v))
+                self.data[name] = (out, qkv)
+        return self.data
+
+    def capture(self, layer: int, split: str) -> list[LayerBatch]:
+        return self._activations(layer)[split][0]
+
+    def fit_options(self, layer: int) -> dict[str, Any]:
+        return {}
+
+    def install(
+        self, layer: int, feature_map: la.FeatureMap | None, heads: tuple[int, ...]
+    ) -> None:
+        self.attention.maps.append(feature_map)
+        self.attention.exact_heads.append(heads)
+
+    def advance(self, layer: int) -> None:
+        data = self._activations(layer)
+        for name, batches in self.splits.items():
+            advanced = []
+            for h, (q, k, v), (_, mask) in zip(
+                self.hidden[name], data[name][1], batches, strict=True
+            ):
+                mask = np.asarray(mask, dtype=bool)
+                if self.stitch == "exact":
+                    context = exact_attention(q, k, v, mask, layer)
+                else:
+                    context = self.attention(q, k, v, mask, layer)
+                advanced.append(
+                    self.encoder.finish_layer(h, np.asarray(context, np.float32), layer)
+                )
+            self.hidden[name] = advanced
+        self.layer, self.data = None, {}
 
 
 def convert_encoder(
@@ -229,11 +277,7 @@ def convert_encoder(
     >>> len(done.fits), enc.encode(ids, mask, done.attention).shape
     (1, (2, 8))
     """
-    if stitch not in ("exact", "converted"):
-        raise ValueError(f"stitch must be 'exact' or 'converted'; got {stitch!r}")
-    given: object = exact_heads  # (what was given: the annotation says what to give)
-    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
-        raise ValueError(f"exact_heads must be an integer >= 0; got {given!r}")
+    check_conversion(stitch, exact_heads)
     if not fit or not validation:
         raise ValueError("fit and validation must each hold at least one batch")
     for name, split in (("fit", fit), ("validation", validation)):
@@ -256,51 +300,25 @@ def convert_encoder(
     fingerprint = model_fingerprint(encoder)
     done, done_heads = _resumed(checkpoint, fingerprint, options)
     attention = FittedAttention([], window, sink_keys, exact_sep)
-    splits = {"fit": list(fit), "validation": list(validation)}
-    hidden = {name: [encoder.embed(np.asarray(ids)) for ids, _ in b] for name, b in splits.items()}
-    fits: list[LayerFit | None] = []
-    for layer in range(encoder.config.num_layers):
-        data = {
-            name: _layer_batches(encoder, hidden[name], splits[name], layer, exact_sep)
-            for name in splits
-        }
-        if layer < len(done):
-            fits.append(None)
-            attention.maps.append(done[layer])
-            attention.exact_heads.append(done_heads[layer])
-            if progress is not None:
-                progress(f"layer {layer}: resumed from {checkpoint}")
-        else:
-            result = fit_layer(
-                data["fit"][0],
-                data["validation"][0],
-                num_features=num_features,
-                window=window,
-                sink_keys=sink_keys,
-                steps=steps,
-                learning_rate=learning_rate,
-                seed=seed + layer,
-                progress=_prefixed(progress, f"layer {layer}: "),
-            )
-            fits.append(result)
-            attention.maps.append(result.feature_map)
-            attention.exact_heads.append(result.worst_heads(exact_heads))
-            if checkpoint is not None:
-                save_maps(
-                    checkpoint, attention.maps, model_fingerprint=fingerprint,
-                    options=_with_heads(options, attention),
-                )  # fmt: skip
-        for name in splits:
-            advanced = []
-            rows = zip(hidden[name], data[name][1], splits[name], strict=True)
-            for h, (q, k, v), (_, mask) in rows:
-                mask = np.asarray(mask, dtype=bool)
-                if stitch == "exact":
-                    context = exact_attention(q, k, v, mask, layer)
-                else:
-                    context = attention(q, k, v, mask, layer)
-                advanced.append(encoder.finish_layer(h, np.asarray(context, np.float32), layer))
-            hidden[name] = advanced
+    layers = _EncoderLayers(
+        encoder, {"fit": list(fit), "validation": list(validation)}, attention, stitch
+    )
+
+    def save_checkpoint(layer: int) -> None:
+        if checkpoint is not None:
+            save_maps(
+                checkpoint, attention.maps, model_fingerprint=fingerprint,
+                options=_with_heads(options, attention),
+            )  # fmt: skip
+
+    fits = convert_layers(
+        layers,
+        FitOptions(num_features, window, sink_keys, steps, learning_rate, seed, exact_heads),
+        progress=progress,
+        resumed=list(zip(done, done_heads, strict=True)),
+        resumed_from=str(checkpoint),
+        after_layer=save_checkpoint,
+    )
     return ConvertedEncoder(attention, fits, options, fingerprint)
 
 
