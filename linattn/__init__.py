@@ -4,8 +4,10 @@ The same functions run on NumPy, CuPy, PyTorch, JAX, Dask and array-api-strict
 arrays and return the caller's array type on the caller's device.
 """
 
-from linattn import _jax
-from linattn._dispatch import Plan, causal_plan
+import warnings
+from typing import Any
+
+from linattn import _dispatch, _jax
 from linattn._plan import AttentionPlan, plan_attention
 from linattn.attention import (
     favor_attention,
@@ -23,8 +25,6 @@ __all__ = [
     "AttentionPlan",
     "FeatureMap",
     "LinearAttentionState",
-    "Plan",
-    "causal_plan",
     "combine",
     "favor_attention",
     "gaussian_projection",
@@ -36,5 +36,25 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: Public names kept for one release, each with what replaces it.
+_DEPRECATED = {
+    "causal_plan": "plan_attention(q, k, v, feature_map, causal=True).scan",
+    "Plan": "the type of AttentionPlan.scan (plan_attention(...).scan)",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``causal_plan`` and ``Plan``: deprecated aliases of the scan plan that
+    :func:`plan_attention` returns as its ``scan`` (one plan concept for users)."""
+    if name in _DEPRECATED:
+        warnings.warn(
+            f"linattn.{name} is deprecated and goes in the next release: use {_DEPRECATED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_dispatch, name)
+    raise AttributeError(f"module 'linattn' has no attribute {name!r}")
+
 
 _jax.register_when_imported()

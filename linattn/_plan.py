@@ -64,8 +64,8 @@ class AttentionPlan:
         Each executor asked before it, with the reasons it does not serve the call
         (joined by ``"; "``).
     scan : Plan
-        The path of the causal scan inside the executor (:func:`linattn.causal_plan`):
-        compiled kernel, JAX scan or array API.
+        The path of the causal scan inside the executor
+        (:func:`linattn._dispatch.scan_plan`): compiled kernel, JAX scan or array API.
 
     Examples
     --------

@@ -222,7 +222,20 @@ def test_no_executor_for_numba_lists_every_reason() -> None:
 )
 def test_causal_plan_checks_its_arguments(x, feature_map, message) -> None:
     with pytest.raises(TypeError, match=message):
-        la.causal_plan(x, feature_map)
+        _dispatch.causal_plan(x, feature_map)
+
+
+def test_causal_plan_and_plan_are_deprecated_aliases_of_the_scan_plan() -> None:
+    q, k, v = _inputs()
+    scan = la.plan_attention(q, k, v, FM, causal=True, backend="array_api").scan
+    with pytest.warns(DeprecationWarning, match=r"plan_attention\(q, k, v, feature_map"):
+        causal_plan = la.causal_plan
+    assert causal_plan(q, FM, backend="array_api") == scan
+    with pytest.warns(DeprecationWarning, match="linattn.Plan is deprecated"):
+        assert isinstance(scan, la.Plan)
+    assert "causal_plan" not in la.__all__ and "Plan" not in la.__all__
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        la.nothing  # noqa: B018
 
 
 def test_plan_attention_checks_as_the_front_door_does() -> None:

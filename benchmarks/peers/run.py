@@ -102,7 +102,7 @@ def make_linattn(q, k, v, causal):
     import linattn as la
 
     fm = la.FeatureMap(HEAD_DIM, FEATURES, seed=0)  # kind "positive" (FAVOR+), orthogonal
-    plan = la.causal_plan(q, fm) if causal else None
+    plan = la.plan_attention(q, k, v, fm, causal=True).scan if causal else None
     info = {"plan": None if plan is None else f"{plan.path} fused={plan.fused}"}
     return (lambda: la.linear_attention(q, k, v, fm, causal=causal)), np.asarray, info
 
@@ -115,7 +115,7 @@ def make_linattn_torch(q, k, v, causal):
     fm = la.FeatureMap(HEAD_DIM, FEATURES, seed=0)
     tq, tk, tv = (torch.from_numpy(x.copy()) for x in (q, k, v))
     if causal:
-        plan = la.causal_plan(tq, fm)
+        plan = la.plan_attention(tq, tk, tv, fm, causal=True).scan
         path = f"{plan.path} fused={plan.fused}"
     else:
         path = f"fused={la.plan_attention(tq, tk, tv, fm).executor == 'fused-bidirectional'}"
