@@ -40,13 +40,15 @@ def main() -> None:
     build = documents.documents if args.data == "docs" else documents.committed_texts
     fit = batches(build("fit"), args.batch, args.fit_rows)
     validation = batches(build("validation"), args.batch, None)
-    cores = transfer._cores
-    print(f"# {args.data}: {sum(len(i) for i, _ in fit)} fit rows, {transfer._cores()} cores")
+    cores = transfer.threads.cores
+    print(
+        f"# {args.data}: {sum(len(i) for i, _ in fit)} fit rows, {transfer.threads.cores()} cores"
+    )
     for round_ in range(args.rounds):
         seconds, fits = {}, {}
         order = [("threads", cores), ("one thread", lambda: 1)]
         for name, threads in order if round_ % 2 else order[::-1]:  # (alternating)
-            transfer._cores = threads  # (what fit_layer reads)
+            transfer.threads.cores = threads  # (what fit_layer reads)
             start = time.perf_counter()
             done = convert_encoder(
                 encoder, fit, validation, window=16, sink_keys=transfer.SINK_KEYS, num_features=64,
@@ -54,7 +56,7 @@ def main() -> None:
             )  # fmt: skip
             seconds[name] = time.perf_counter() - start
             fits[name] = done.fits
-        transfer._cores = cores
+        transfer.threads.cores = cores
         weights = [[f.feature_map.parameters.query_weight for f in fits[n]] for n in fits]
         same = all(map(np.array_equal, *weights))
         ratio = seconds["one thread"] / seconds["threads"]

@@ -35,7 +35,7 @@ from linattn.executors import (
     sub_calls,
     torch_kernels,
 )
-from linattn.executors.base import Backward, Executor, Result
+from linattn.executors.base import Backward, Executor, Facts, Result
 from linattn.features import FeatureMap
 
 __all__ = [
@@ -131,14 +131,22 @@ def _scan_plan(call: Call) -> _dispatch.Plan:
 _DECODE_SCAN = _dispatch.Plan("numba-cpu", "the decoding kernel", fused=True)
 
 
-def plan_call(call: Call) -> AttentionPlan:
-    """The executor that runs ``call``, with its reason and every earlier one's."""
+def plan_call(call: Call, *, explain: bool = True) -> AttentionPlan:
+    """The executor that runs ``call``, with its reason and every earlier one's reasons.
+
+    ``explain=False`` (a call about to run, whose plan no one reads) leaves out the
+    executors whose declarations the call falls outside, and their words: ``rejected``
+    holds only those refused by their own further reasons.  The choice is the same.
+    """
     rejected: list[tuple[str, str]] = []
     scan = _DECODE_SCAN
+    facts = Facts.of(call)
     for executor in EXECUTORS:
         if executor not in _NO_SCAN and scan is _DECODE_SCAN:
             scan = _scan_plan(call)
-        reasons = executor.why_not(call, scan)
+        if not explain and not executor.takes.admits(facts):
+            continue
+        reasons = executor.why_not(call, scan, facts)
         if not reasons:
             return AttentionPlan(executor.name, executor.summary, tuple(rejected), scan)
         rejected.append((executor.name, "; ".join(reasons)))
@@ -162,7 +170,7 @@ def execute(call: Call) -> Any:
 def run_call(call: Call) -> Result:
     """A call's output and state through the plan (also a Dask chunk's, a torch
     operator's NumPy call)."""
-    plan = plan_call(call)
+    plan = plan_call(call, explain=False)
     return executor_named(plan.executor).run(call, plan.scan, run_call)
 
 

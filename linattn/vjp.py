@@ -234,7 +234,7 @@ def _vjp(
     )
     # The executor linear_attention would run chooses the adjoint (the plan decides once).
     call = Call(q, k, v, feature_map, causal, key_mask, chunk_size=chunk_size, backend=backend)
-    chosen = plan_call(call)
+    chosen = plan_call(call, explain=False)
     plan = chosen.scan
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)

@@ -34,9 +34,9 @@ def _batch(
 
 def _perturbed(heads: int, key_heads: int, tied: bool = False) -> fitted.FittedParameters:
     p = fitted.initial_parameters(D, M, heads=heads, key_heads=key_heads, tied=tied, seed=1)
-    values = transfer._values(p)
+    values = transfer.optimiser.values_of(p)
     values = {n: x + 0.3 * RNG.normal(size=x.shape) for n, x in values.items()}
-    return transfer._parameters(values, tied)
+    return transfer.optimiser.parameters_of(values, tied)
 
 
 @pytest.mark.parametrize(
@@ -45,10 +45,10 @@ def _perturbed(heads: int, key_heads: int, tied: bool = False) -> fitted.FittedP
 )
 def test_the_fit_gradient_equals_finite_differences(causal, heads, key_heads, tied) -> None:  # type: ignore[no-untyped-def]
     batch = _batch(heads, key_heads, exact=not causal)
-    parts = transfer._prepare(batch, 2, 1, causal, 0.5)
+    parts = transfer.batches.prepare(batch, 2, 1, causal, 0.5)
     p = _perturbed(heads, key_heads, tied)
-    values = transfer._values(p)
-    _, grads = transfer._batch_loss_grad(p, parts.pieces())
+    values = transfer.optimiser.values_of(p)
+    _, grads = transfer.loss.batch_loss_grad(p, parts.pieces())
     eps = 1e-6
     for name, value in values.items():
         for _ in range(3):
@@ -58,7 +58,9 @@ def test_the_fit_gradient_equals_finite_differences(causal, heads, key_heads, ti
                 moved = {n: x.copy() for n, x in values.items()}
                 moved[name][index] += shift
                 return float(
-                    transfer._batch_loss_grad(transfer._parameters(moved, tied), [parts])[0].sum()
+                    transfer.loss.batch_loss_grad(
+                        transfer.optimiser.parameters_of(moved, tied), [parts]
+                    )[0].sum()
                 )
 
             slope = (loss(eps) - loss(-eps)) / (2 * eps)
@@ -68,9 +70,9 @@ def test_the_fit_gradient_equals_finite_differences(causal, heads, key_heads, ti
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_fit_computes_what_linear_attention_computes(causal: bool) -> None:
     batch = _batch(exact=not causal)
-    parts = transfer._prepare(batch, 2, 1, causal, 0.5)
+    parts = transfer.batches.prepare(batch, 2, 1, causal, 0.5)
     p = _perturbed(4, 2)
-    out, _ = transfer._forward(p, parts)
+    out, _ = transfer.loss.forward(p, parts)
     fm = la.FeatureMap.fitted(
         p.query_weight, p.query_bias, key_weight=p.key_weight, key_bias=p.key_bias,
         far_weight=p.far_weight, scale=0.5,
@@ -94,8 +96,8 @@ def test_large_logits_without_exact_parts_warn_of_nothing() -> None:
     batch = LayerBatch(*(x.astype(np.float32) for x in batch[:3]), batch.key_mask, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        parts = transfer._prepare(batch, None, 0, False, 0.5)
-        out, _ = transfer._forward(_perturbed(2, 2), parts)
+        parts = transfer.batches.prepare(batch, None, 0, False, 0.5)
+        out, _ = transfer.loss.forward(_perturbed(2, 2), parts)
     assert np.isfinite(out).all()
 
 
@@ -130,17 +132,18 @@ def test_a_numpy_fit_runs_each_batch_in_pieces_on_threads_to_the_same_bits(monke
     fit, validation = [_batch(), _batch()], [_batch()]
     options = {"num_features": M, "window": 2, "sink_keys": 1, "steps": 6, "evaluate_every": 3}
     threads = set()
-    forward = transfer._forward
+    forward = transfer.loss.forward
 
     def recorded(p, parts):  # type: ignore[no-untyped-def]
         threads.add(threading.current_thread().name.split("_")[0])
         return forward(p, parts)
 
-    monkeypatch.setattr(transfer, "_forward", recorded)
+    for module in (transfer.loss, transfer.fit):  # (the modules that run it on the pieces)
+        monkeypatch.setattr(module, "forward", recorded)
     results = []
     for cores in (2, 1):
         threads.clear()
-        monkeypatch.setattr(transfer, "_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(transfer.threads, "cores", lambda cores=cores: cores)
         results.append(fit_layer(fit, validation, progress=lambda line: None, **options))
         assert ("linattn-fit" in threads) == (cores > 1), threads
     threaded, sequential = (r.feature_map.parameters for r in results)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 
@@ -27,6 +27,7 @@ __all__ = [
     "LIBRARIES",
     "Backward",
     "Executor",
+    "Facts",
     "Library",
     "MapKind",
     "Result",
@@ -135,46 +136,86 @@ class Takes:
     dtypes: tuple[str, ...] | None = None
     backends: tuple[_dispatch.Backend, ...] = _dispatch.BACKENDS
 
-    def reasons(self, call: Call) -> list[str]:
-        """Why a call falls outside these declarations; empty where it does not."""
-        reasons = []
-        if self.exact_parts is not None and call.exact_parts != self.exact_parts:
+    def admits(self, f: Facts) -> bool:
+        """Whether a call with facts ``f`` is inside these declarations but for their
+        dtypes (:meth:`reasons` without the words: the plan of a call about to run)."""
+        return (
+            (self.exact_parts is None or f.exact_parts == self.exact_parts)
+            and (self.causal is None or f.causal == self.causal)
+            and (self.window is None or f.window == self.window)
+            and f.backend in self.backends
+            and f.map_kind in self.maps
+            and (
+                self.state is None
+                or (f.stateful if self.state else not (f.stateful or f.asks_state))
+            )
+            and (self.libraries is None or all(x in self.libraries for x in f.libraries))
+        )
+
+    def reasons(self, call: Call, facts: Facts | None = None) -> list[str]:
+        """Why a call falls outside these declarations; empty where it does not.
+        ``facts``: the call's, where the caller has read them already."""
+        f = Facts.of(call) if facts is None else facts
+        reasons: list[str] = []
+        if self.exact_parts is not None and f.exact_parts != self.exact_parts:
             reasons.append(
                 "no window, sink keys or exact keys"
                 if self.exact_parts
                 else "a window, sink keys or exact keys"
             )
-        if self.causal is not None and bool(call.causal) != self.causal:
-            reasons.append("causal" if call.causal else "bidirectional")
-        if self.window is not None and (call.window is not None) != self.window:
-            reasons.append("a window" if call.window is not None else "no window")
-        backend = _dispatch.resolve_backend(call.backend)
-        if backend not in self.backends:
+        if self.causal is not None and f.causal != self.causal:
+            reasons.append("causal" if f.causal else "bidirectional")
+        if self.window is not None and f.window != self.window:
+            reasons.append("a window" if f.window else "no window")
+        if f.backend not in self.backends:
             source = " ($LINATTN_BACKEND)" if call.backend is None else ""
-            reasons.append(f"backend={backend!r}{source}")
-        kind = map_kind(call.feature_map)
-        if kind not in self.maps:
-            reasons.append(_MAP_REASONS[kind])
+            reasons.append(f"backend={f.backend!r}{source}")
+        if f.map_kind not in self.maps:
+            reasons.append(_MAP_REASONS[f.map_kind])
         if self.state is not None:
-            stateful = call.state is not None
-            if self.state and not stateful:
+            if self.state and not f.stateful:
                 reasons.append("no state to continue")
-            elif not self.state and (stateful or call.return_state is not False):
+            elif not self.state and (f.stateful or f.asks_state):
                 reasons.append("a state is asked for or continued")
-        arrays = {"q": call.q, "k": call.k, "v": call.v}
-        if self.libraries is not None and not all(
-            library(x) in self.libraries for x in arrays.values()
-        ):
+        if self.libraries is not None and not all(x in self.libraries for x in f.libraries):
             names = " or ".join(LIBRARIES[name] for name in self.libraries)
             reasons.append(f"not {names}")
             return reasons  # (their dtypes are not read)
         if self.dtypes is not None:
-            for name, x in arrays.items():
+            for name, x in (("q", call.q), ("k", call.k), ("v", call.v)):
                 dtype = dtype_name(x.dtype).removeprefix("torch.")
                 if dtype not in self.dtypes:
                     reasons.append(f"{name} is {dtype}, not {' or '.join(self.dtypes)}")
                     break
         return reasons
+
+
+class Facts(NamedTuple):
+    """What the declarations of :class:`Takes` are checked against, read once per call
+    (the plan asks every executor about the same call)."""
+
+    exact_parts: bool
+    causal: bool
+    window: bool
+    backend: _dispatch.Backend
+    map_kind: MapKind
+    stateful: bool
+    asks_state: bool
+    libraries: tuple[Library | None, ...]  # of q, k and v
+
+    @classmethod
+    def of(cls, call: Call) -> Facts:
+        """The facts of ``call``."""
+        return cls(
+            call.exact_parts,
+            bool(call.causal),
+            call.window is not None,
+            _dispatch.resolve_backend(call.backend),
+            map_kind(call.feature_map),
+            call.state is not None,
+            call.return_state is not False,
+            (library(call.q), library(call.k), library(call.v)),
+        )
 
 
 class Executor:
@@ -189,13 +230,14 @@ class Executor:
     summary: ClassVar[str]
     takes: ClassVar[Takes] = Takes()
 
-    def why_not(self, call: Call, scan: _dispatch.Plan) -> list[str]:
+    def why_not(self, call: Call, scan: _dispatch.Plan, facts: Facts | None = None) -> list[str]:
         """Every reason this executor does not serve ``call`` (empty: it does).
 
         The declarations' reasons first; the executor's own only where those hold (they
-        may read what the declarations guarantee: a library, a dtype).
+        may read what the declarations guarantee: a library, a dtype).  ``facts``: the
+        call's (:meth:`Facts.of`), where the caller has read them already.
         """
-        return self.takes.reasons(call) or self.more_reasons(call, scan)
+        return self.takes.reasons(call, facts) or self.more_reasons(call, scan)
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         """Reasons beyond the declarations (a kernel that must import, a length limit)."""
