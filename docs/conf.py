@@ -52,7 +52,7 @@ numpydoc_xref_ignore = "all"
 numpydoc_xref_aliases = {word: word for word in DEFAULT_LINKS} | {
     name: f"linattn.{name}" for name in ("FeatureMap", "LinearAttentionState")
 }
-# Private modules (``linattn._kinds``, ``linattn_numba._cuda``, ...) have no pages: a
+# Private modules (``linattn._checks``, ``linattn_numba._cuda``, ...) have no pages: a
 # docstring may name their objects, but those names stay plain text.
 nitpick_ignore_regex = [(r"py:.*", r"linattn(_numba)?\._\w+(\..*)?")]
 

@@ -455,7 +455,7 @@ def call_statistics(
         k * root,
         key_mask,
         rebalance=feature_map.rebalance_scales is None and feature_map.rebalance,
-        oprf=feature_map.oprf_a is None and feature_map._spec.oprf,
+        oprf=feature_map.oprf_a is None and feature_map.spec.oprf,
         query_mask=query_mask,
     )
 

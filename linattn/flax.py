@@ -23,7 +23,7 @@ from flax import nnx
 from linattn._call import hybrid_options
 from linattn._layer_maps import check_exact_heads, exact_heads_decoding_error, fitted_template
 from linattn.attention import linear_attention, with_exact_heads
-from linattn.features import KINDS, FeatureMap, Kind
+from linattn.features import FeatureMap, Kind, kind_spec
 from linattn.jax import fitted_attention
 from linattn.projections import gaussian_projection
 from linattn.state import LinearAttentionState
@@ -116,7 +116,7 @@ class FastAttention(nnx.Module):
                 orthogonal=orthogonal,
                 scale=scale,
                 seed=seed,
-                rebalance=rebalance and KINDS[kind][0],
+                rebalance=rebalance and kind_spec(kind).random,
             )
         self.causal, self.seed, self.chunk_size, self.draws = causal, seed, chunk_size, 0
         self.hybrid = hybrid_options(window=window, sink_keys=sink_keys)
@@ -233,4 +233,4 @@ class FastAttention(nnx.Module):
             kind=fm.kind,
             scale=fm.scale,
         )
-        self.feature_map = adopted._replace(rebalance=fm.rebalance)
+        self.feature_map = adopted.replace(rebalance=fm.rebalance)

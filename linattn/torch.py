@@ -32,7 +32,7 @@ from linattn._dispatch import Backend
 from linattn._fitted_call import check_dense_call, dense_hybrid, use_dense
 from linattn._layer_maps import check_exact_heads, exact_heads_decoding_error, fitted_template
 from linattn.attention import linear_attention, with_exact_heads
-from linattn.features import KINDS, FeatureMap, Kind
+from linattn.features import FeatureMap, Kind, kind_spec
 from linattn.projections import Norms, gaussian_projection
 from linattn.state import LinearAttentionState
 from linattn.vjp import linear_attention_vjp
@@ -285,7 +285,7 @@ class FastAttention(nn.Module):
                 norms=norms,
                 scale=scale,
                 seed=seed,
-                rebalance=rebalance and KINDS[kind][0],
+                rebalance=rebalance and kind_spec(kind).random,
             )
             num_features = template.num_features
         self.head_dim, self.num_features, self.kind = head_dim, num_features, kind
@@ -362,7 +362,7 @@ class FastAttention(nn.Module):
         self._sync()
         calls, draws = self._counts
         if self.projection is not None:
-            rows = self.num_features // KINDS[self.kind][1]
+            rows = self.num_features // kind_spec(self.kind).rows_per_feature
             fresh = gaussian_projection(
                 rows,
                 self.head_dim,
@@ -476,7 +476,7 @@ class FastAttention(nn.Module):
                 scale=self.scale,
             )
             # from_projection makes unrebalanced maps; the layer's option carries over.
-            self._feature_map = adopted._replace(rebalance=self.rebalance)
+            self._feature_map = adopted.replace(rebalance=self.rebalance)
         if self.fitted:
             host = {
                 name: None if b is None else b.detach().to(torch.float64).cpu().numpy()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import linattn as la
+from linattn.features import kind_spec
 
 pytestmark = pytest.mark.needs("dask")
 
@@ -128,7 +129,7 @@ def test_every_feature_kind_travels_to_the_workers(client, kind):
     """The feature map is pickled to the worker processes with all its state
     (OPRF ``A`` and rebalancing scales included)."""
     q, k, v, mask = _inputs(64, seed=8)
-    random = la.KINDS[kind][0]
+    random = kind_spec(kind).random
     fm = la.FeatureMap(D, M if random else D, kind=kind, seed=2, rebalance=kind == "positive")
     if fm.needs_calibration:
         fm = fm.calibrate(q, k)

@@ -173,3 +173,32 @@ def test_the_front_door_is_short(module: str) -> None:
         if line.strip() and not line.strip().startswith("#")
     ]  # fmt: skip
     assert 0 < len(lines) <= 60
+
+
+def test_every_module_is_in_a_layer() -> None:
+    """Every module of ``linattn`` and ``linattn_numba`` is named by a ``layers``
+    contract of ``pyproject.toml``, or lies in a package that is (a package counts where
+    its modules are named): none escapes the layers (the roots and ``__main__`` aside)."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    named: set[str] = set()
+    for contract in contracts["contracts"]:
+        if contract["type"] == "layers" and "containers" not in contract:
+            for layer in contract["layers"]:
+                named.update(part.strip() for part in layer.split("|"))
+
+    def covered(module: str) -> bool:
+        parts = module.split(".")
+        ancestors = {".".join(parts[:n]) for n in range(2, len(parts) + 1)}
+        is_package = MODULES[module].name == "__init__.py"
+        return bool(ancestors & named) or (
+            is_package and any(name.startswith(module + ".") for name in named)
+        )
+
+    missing = sorted(
+        name
+        for name in MODULES
+        if name not in PACKAGES and not name.endswith("__main__") and not covered(name)
+    )
+    assert missing == [], f"modules in no layer of pyproject.toml: {missing}"

@@ -92,7 +92,7 @@ def fused_map(feature_map: FeatureMap | None) -> bool:
     fused bidirectional pass)."""
     return (
         feature_map is not None
-        and feature_map._spec.fused
+        and feature_map.spec.fused
         and feature_map.rebalance_scales is None
         and feature_map.projection is not None
     )

@@ -7,7 +7,7 @@ Numba kernel when one can serve the arrays and the portable code otherwise;
 ``"numba"`` insists on the kernel, ``"array_api"`` on the portable code, which is the
 batched chunk pass with the framework's own scan on JAX and the sequence-parallel
 scan of :mod:`linattn.distributed` on Dask.  The plan names the path and says why;
-:func:`linattn.causal_plan` shows it, and so does ``linattn info``.
+:func:`linattn.plan_attention` shows it (its ``scan``), and so does ``linattn info``.
 """
 
 from __future__ import annotations

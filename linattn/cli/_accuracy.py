@@ -18,7 +18,7 @@ import numpy as np
 import linattn as la
 from linattn._xp import to_host
 from linattn.cli._backends import ArrayLibrary
-from linattn.features import SOFTMAX_KINDS
+from linattn.features import SOFTMAX_KINDS, kind_spec
 
 __all__ = [
     "AccuracyRow",
@@ -43,7 +43,7 @@ def no_step() -> None:
 
 def random_kinds() -> list[str]:
     """The feature kinds that estimate softmax attention with a random projection."""
-    return [kind for kind, (random, _) in la.KINDS.items() if random]
+    return [kind for kind in la.KINDS if kind_spec(kind).random]
 
 
 @dataclass(frozen=True)

@@ -1,80 +1,43 @@
-"""Feature maps: queries and keys to (log-)features whose inner products estimate a kernel.
+"""The feature map: :class:`FeatureMap`, an immutable map from queries and keys to
+log-features, and :func:`feature_map_for`, which finds a live map by its fingerprint.
 
-Every map works in **log-features** ``l(x) = log phi(x)``: the attention code takes
-log-features and does all stabilisation there (``docs/algorithm.md``, sections
-2, 3 and 5).  What differs between kinds lives in
-:mod:`linattn._kinds`, one object per kind.
+The class holds what a map is (its fields, how it is made, copied and pickled) and its
+public methods; the work is done by its sibling modules: :mod:`linattn.features.checks`
+(arguments, fields, fingerprint), :mod:`linattn.features.statistics` (calibration),
+:mod:`linattn.features.compute` (log-features and their VJP) and
+:mod:`linattn.features.kinds` (one object per kind).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import math
 import secrets
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from linattn import fitted
-from linattn._checks import (
-    check_key_mask,
-    check_query_mask,
-    check_scale,
-    key_mask_batch_shape,
-)
-from linattn._kinds import KIND_SPECS, FeatureKind, KindInputs, kind_spec
-from linattn._xp import (
-    Array,
-    array_device,
-    array_namespace,
-    compute_dtype,
-    constant,
-    float_dtype,
-    from_host,
-    is_array,
-    is_jax_array,
-    namespace_of,
-    to_host,
-)
+from linattn._xp import Array, array_namespace
 from linattn.calibration import Statistics
+from linattn.features import compute
+from linattn.features.checks import (
+    adopted_projection,
+    check_map_arguments,
+    checked_fields,
+)
+from linattn.features.compute import Role
+from linattn.features.kinds import KIND_SPECS, FeatureKind, Kind
+from linattn.features.registry import LiveRegistry
+from linattn.features.statistics import calibrated
 from linattn.fitted import FittedParameters, check_parameters, initial_parameters
-from linattn.projections import MAX_PROJECTION_SIZE, Norms, gaussian_projection
+from linattn.projections import Norms, gaussian_projection
 
-__all__ = ["KINDS", "FeatureMap", "feature_map_for"]
+__all__ = ["FeatureMap", "feature_map_for"]
 
-Kind = Literal[
-    "hedgehog",
-    "positive",
-    "hyperbolic",
-    "oprf",
-    "hyperbolic_oprf",
-    "trigonometric",
-    "random_relu",
-    "elu",
-    "relu",
-]
-
-#: Feature kinds: ``(uses a random projection, projection rows per output feature)``.
-KINDS: dict[str, tuple[bool, int]] = {
-    name: (spec.random, spec.rows_per_feature) for name, spec in KIND_SPECS.items()
-}
-
-#: Kinds whose features estimate the softmax kernel exp(x^T y) without bias.
-SOFTMAX_KINDS = tuple(name for name, spec in KIND_SPECS.items() if spec.softmax)
-#: Kinds with the OPRF (FAVOR++) parameter A.
-OPRF_KINDS = tuple(name for name, spec in KIND_SPECS.items() if spec.oprf)
-
-#: The most negative OPRF ``A`` accepted.  ``A* ~ -rho / 4`` for large ``rho =
-#: E|x + y|^2 / d``; ``A < -1e4`` means ``rho > 4e4``: scaled logits with a standard
-#: deviation above ``2e4``, beyond the exponent range of every float type, where no
-#: random-feature estimate means anything (and ``B = sqrt(1 - 4A)`` overflows soon after).
-MIN_OPRF_A = -1e4
-
-Role = Literal["query", "key"]
+#: The fields :meth:`FeatureMap.replace` changes (the others must agree with the
+#: projection or the fitted parameters).
+_REPLACEABLE = ("scale", "rebalance", "oprf_a", "rebalance_scales")
 
 
 @dataclass(frozen=True, eq=False, init=False, repr=False, slots=True, weakref_slot=True)
@@ -180,28 +143,7 @@ class FeatureMap:
         seed: int = 0,
         rebalance: bool = False,
     ) -> None:
-        _check_positive_int("head_dim", head_dim)
-        _check_positive_int("num_features", num_features)
-        spec = kind_spec(kind)
-        if head_dim * num_features > MAX_PROJECTION_SIZE:
-            raise ValueError(
-                f"num_features x head_dim must be at most {MAX_PROJECTION_SIZE} (a "
-                f"{8 * MAX_PROJECTION_SIZE // 2**30} GiB projection); got "
-                f"{num_features} x {head_dim}"
-            )
-        if num_features % spec.rows_per_feature:
-            raise ValueError(
-                f"num_features must be even for kind={kind!r} (it uses num_features / 2 "
-                f"projection rows); got {num_features}"
-            )
-        if not spec.random and not spec.fitted and num_features != head_dim:
-            raise ValueError(
-                f"num_features must equal head_dim for the deterministic kind {kind!r}; "
-                f"got num_features={num_features}, head_dim={head_dim}"
-            )
-        _check_seed(seed)
-        if not isinstance(orthogonal, bool | np.bool_):
-            raise TypeError(f"orthogonal must be True or False; got {orthogonal!r}")
+        spec = check_map_arguments(head_dim, num_features, kind, orthogonal, seed)
         projection = parameters = None
         if spec.fitted:
             parameters = initial_parameters(head_dim, num_features, seed=int(seed))
@@ -243,52 +185,36 @@ class FeatureMap:
         parameters: FittedParameters | None = None,
     ) -> None:
         """Check the statistics and scale, freeze the arrays and set every field once."""
-        spec = kind_spec(kind)
-        if spec.fitted != (parameters is not None):
-            raise ValueError(f"kind={kind!r} {'needs' if spec.fitted else 'takes no'} parameters")
-        if not isinstance(rebalance, bool):
-            raise TypeError(f"rebalance must be True or False; got {rebalance!r}")
-        if rebalance and not spec.softmax:
-            raise ValueError(
-                f"rebalance=True needs a softmax-estimating kind {SOFTMAX_KINDS}; got {kind!r}"
-            )
-        if oprf_a is not None:
-            oprf_a = _check_oprf_a(oprf_a, kind)
-        if rebalance_scales is not None:
-            if not rebalance:
-                raise ValueError("rebalance_scales need a map made with rebalance=True")
-            rebalance_scales = _frozen(_check_rebalance_scales(rebalance_scales, head_dim))
-        scale = check_scale(scale, head_dim)
-        if projection is not None:
-            projection = _frozen(np.array(projection, dtype=np.float64, copy=True))
-        digest = hashlib.sha256(
-            f"{kind}|{scale!r}|{head_dim}|{num_features}|{rebalance}|{oprf_a!r}".encode()
+        checked = checked_fields(
+            head_dim=head_dim,
+            num_features=num_features,
+            kind=kind,
+            scale=scale,
+            projection=projection,
+            rebalance=rebalance,
+            oprf_a=oprf_a,
+            rebalance_scales=rebalance_scales,
+            parameters=parameters,
         )
-        for part in (projection, rebalance_scales):
-            if part is not None:
-                digest.update(part.tobytes())
-        if parameters is not None:
-            for name, array in parameters.arrays().items():
-                digest.update(f"|{name}{array.shape}".encode() + array.tobytes())
-        fields = {
+        fields: dict[str, object] = {
             "head_dim": int(head_dim),
             "num_features": int(num_features),
             "kind": kind,
             "orthogonal": orthogonal,
             "norms": norms,
-            "scale": scale,
+            "scale": checked.scale,
             "seed": seed,
             "rebalance": rebalance,
-            "oprf_a": oprf_a,
-            "_projection": projection,
-            "_rebalance_scales": rebalance_scales,
+            "oprf_a": checked.oprf_a,
+            "_projection": checked.projection,
+            "_rebalance_scales": checked.rebalance_scales,
             "_parameters": parameters,
-            "_fingerprint": digest.hexdigest()[:16],
+            "_fingerprint": checked.fingerprint,
             "_grouped_maps": {},
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
-        _register_live(self)
+        _LIVE_MAPS.register(self)
         if parameters is not None and not np.all(parameters.far_weight == 1.0):
             # Made here, on the host: a call (maybe traced by torch.compile) only looks up.
             ones = np.ones_like(parameters.far_weight)
@@ -304,16 +230,45 @@ class FeatureMap:
         return fields
 
     def _replace(self, **changes: Any) -> FeatureMap:
+        """A copy with any fields of :meth:`_assign` changed (checked as :meth:`_assign` does).
+
+        Outside this module, :meth:`replace` (``linattn.torch`` still calls this one).
+        """
         return _restore({**self._fields(), **changes})
+
+    def replace(self, **changes: Any) -> FeatureMap:
+        """A copy with some of ``scale``, ``rebalance``, ``oprf_a`` and ``rebalance_scales``
+        changed, checked as the constructor checks them.
+
+        The projection (or the fitted parameters) stays; a changed ``scale`` changes the
+        features and the fingerprint.  :meth:`from_projection` makes maps without
+        rebalancing: ``replace(rebalance=True)`` asks for it.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import linattn as la
+        >>> fm = la.FeatureMap.from_projection(np.eye(4)).replace(rebalance=True)
+        >>> fm.rebalance, fm.needs_calibration
+        (True, True)
+        """
+        unknown = sorted(set(changes) - set(_REPLACEABLE))
+        if unknown:
+            raise TypeError(
+                f"replace takes {', '.join(_REPLACEABLE)}; got unknown names {unknown}"
+            )
+        return self._replace(**changes)
 
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
         # Rebuilt through _assign, so the arrays are read-only again after unpickling.
         return _restore, (self._fields(),)
 
     @property
-    def _spec(self) -> FeatureKind:
-        """The :class:`linattn._kinds.FeatureKind` that computes this map's features."""
+    def spec(self) -> FeatureKind:
+        """The :class:`linattn.features.FeatureKind` that computes this map's features."""
         return KIND_SPECS[self.kind]
+
+    # The former name of ``spec``, still read by ``linattn._call``.
 
     @classmethod
     def from_projection(
@@ -345,21 +300,7 @@ class FeatureMap:
         >>> fm.num_features, fm.head_dim
         (8, 4)
         """
-        spec = kind_spec(kind)
-        if not spec.random:
-            raise ValueError(
-                f"kind must be a random feature kind to adopt a projection; got {kind!r}"
-            )
-        host = to_host(matrix) if is_array(matrix) else matrix
-        host = np.asarray(host)
-        if host.ndim != 2 or 0 in host.shape:
-            raise ValueError(
-                f"matrix must be a non-empty 2-d (rows, head_dim) array; got shape {host.shape}"
-            )
-        if not (np.issubdtype(host.dtype, np.floating) and np.all(np.isfinite(host))):
-            raise ValueError(
-                f"matrix must hold finite real floating values; got dtype {host.dtype}"
-            )
+        host, spec = adopted_projection(matrix, kind)
         return _restore(
             {
                 "head_dim": host.shape[1],
@@ -534,7 +475,7 @@ class FeatureMap:
     @property
     def needs_calibration(self) -> bool:
         """True while an OPRF ``A`` or rebalancing scales are still to be computed."""
-        return (self._spec.oprf and self.oprf_a is None) or (
+        return (self.spec.oprf and self.oprf_a is None) or (
             self.rebalance and self._rebalance_scales is None
         )
 
@@ -581,57 +522,16 @@ class FeatureMap:
         >>> fm.needs_calibration, fm.oprf_a < 0
         (False, True)
         """
-        from linattn.calibration import query_key_statistics, statistics_from_moments
-
-        xp = namespace_of(
-            {"q": q, "k": k, "key_mask": key_mask, "query_mask": query_mask},
-            optional=("key_mask", "query_mask"),
-        )
-        for name, x in (("q", q), ("k", k)):
-            float_dtype(xp, name, x)
-            if x.ndim < 2 or x.shape[-1] != self.head_dim or x.shape[-2] == 0:
-                raise ValueError(
-                    f"{name} must have shape (..., L, {self.head_dim}) with L >= 1; got "
-                    f"{tuple(x.shape)}"
-                )
-            _refuse_traced(name, x)
-        if key_mask is not None:
-            check_key_mask(xp, key_mask, k.shape[-2], k=k, q=q)
-            key_mask_batch_shape(key_mask, k)
-        if query_mask is not None:
-            check_query_mask(xp, query_mask, q)
-        root = math.sqrt(self.scale)
-        stats = query_key_statistics(
-            xp,
-            xp.astype(q, xp.float64) * root,
-            xp.astype(k, xp.float64) * root,
-            key_mask,
-            query_mask,
-        )
-        moments = np.stack(stats._arrays())
-        if not np.all(np.isfinite(moments)):
-            raise ValueError(
-                "calibrate needs finite q and (unmasked) k: their mean or energy came out "
-                "non-finite (NaN, inf or overflowing values in the inputs)"
-            )
-        psi, a = statistics_from_moments(
-            array_namespace(moments),
-            moments,
+        changes = calibrated(
+            q,
+            k,
+            head_dim=self.head_dim,
+            scale=self.scale,
             rebalance=self.rebalance,
-            oprf=self._spec.oprf,
+            oprf=self.spec.oprf,
+            key_mask=key_mask,
+            query_mask=query_mask,
         )
-        changes: dict[str, Any] = {}
-        if psi is not None:
-            changes["rebalance_scales"] = psi
-        if a is not None:
-            if a < MIN_OPRF_A:
-                raise ValueError(
-                    f"calibrate needs q and k of moderate size: their statistics give "
-                    f"A* = {float(a):.3g}, below {MIN_OPRF_A:g} (rho = E|x + y|^2 / d above "
-                    f"{-4 * MIN_OPRF_A:.0e}), where softmax is a hard maximum and no random "
-                    "feature estimate is meaningful"
-                )
-            changes["oprf_a"] = float(a)
         return self._replace(**changes)
 
     def with_statistics(
@@ -675,7 +575,7 @@ class FeatureMap:
     @property
     def is_positive(self) -> bool:
         """True when every feature is positive (all kinds but ``"trigonometric"``)."""
-        return self._spec.positive
+        return self.spec.positive
 
     # -- features -------------------------------------------------------------------
 
@@ -739,25 +639,7 @@ class FeatureMap:
         >>> log_abs.shape, sorted(set(sign.ravel().tolist())) <= [-1.0, 1.0]
         ((2, 8), True)
         """
-        xp, x = self._check_input(x, role, statistics)
-        oprf_a, psi = self._statistics(statistics)
-        if self._parameters is not None:
-            return fitted.log_features(xp, self._parameters, x, self._role(role)), None
-        if not self._spec.random:
-            return self._spec.log_features(xp, KindInputs(self, x, oprf_a=oprf_a))
-        x, overflow = self._without_overflow(xp, x, role, psi)
-        x = x * self._input_factor(xp, x, role, psi)
-        proj = xp.matmul(x, xp.matrix_transpose(self._projection_like(xp, x)))
-        half_norm = xp.sum(x * x, axis=-1, keepdims=True) / 2
-        spec = self._spec
-        if spec.follows_half_norm:  # -inf (or NaN) through the half norm: an (L, 1) select
-            # +inf gives 0 - inf = -inf for the Gaussian kinds, NaN gives NaN for the others.
-            fill = math.inf if spec.overflow == -math.inf else math.nan
-            half_norm = xp.where(overflow, constant(xp, fill, half_norm), half_norm)
-        log_phi, sign = spec.log_features(xp, KindInputs(self, x, proj, half_norm, oprf_a))
-        if not spec.follows_half_norm:
-            log_phi = xp.where(overflow, constant(xp, spec.overflow, log_phi), log_phi)
-        return log_phi, sign
+        return compute.signed_log_features(self, x, role=role, statistics=statistics)
 
     def log_features_vjp(
         self,
@@ -784,21 +666,7 @@ class FeatureMap:
         >>> bool(abs(slope - fm.log_features_vjp(x, d)[0, 2]) < 1e-5)
         True
         """
-        xp, x = self._check_input(x, role, statistics)
-        oprf_a, psi = self._statistics(statistics)
-        x = xp.astype(x, d_log.dtype, copy=False)
-        if self._parameters is not None:
-            return fitted.input_vjp(xp, self._parameters, x, d_log, self._role(role))
-        if not self._spec.random:
-            return self._spec.vjp(xp, KindInputs(self, x, oprf_a=oprf_a), d_log)[0]
-        x, overflow = self._without_overflow(xp, x, role, psi)
-        factor = self._input_factor(xp, x, role, psi)
-        x = x * factor
-        projection = self._projection_like(xp, x)
-        proj = xp.matmul(x, xp.matrix_transpose(projection))
-        d_proj, d_half_norm = self._spec.vjp(xp, KindInputs(self, x, proj, None, oprf_a), d_log)
-        dx = factor * (xp.matmul(d_proj, projection) - x * d_half_norm)
-        return xp.where(overflow, constant(xp, 0.0, dx), dx)  # constant features there
+        return compute.log_features_vjp(self, x, d_log, role=role, statistics=statistics)
 
     def log_features_parameter_vjp(
         self, x: Array, d_log: Array, /, *, role: Role
@@ -818,124 +686,7 @@ class FeatureMap:
         >>> sorted(fm.log_features_parameter_vjp(x, d, role="key"))
         ['far_weight', 'key_bias', 'key_weight']
         """
-        if self._parameters is None:
-            raise ValueError(
-                f"log_features_parameter_vjp needs a fitted map; got kind={self.kind!r}"
-            )
-        xp, x = self._check_input(x, role)
-        x = xp.astype(x, d_log.dtype, copy=False)
-        role = self._role(role)
-        grads = fitted.parameter_vjp(xp, self._parameters, x, d_log, role)
-        if self._parameters.tied and role == "key":
-            grads["query_weight"] = grads.pop("key_weight")
-            grads["query_bias"] = grads.pop("key_bias")
-        return grads
-
-    def _role(self, role: object) -> Role:
-        """A fitted map's role: given, or ``"query"`` for a tied map's ``None``."""
-        p = self._parameters
-        if role is None and p is not None and p.tied:
-            return "query"
-        if role not in ("query", "key"):
-            raise ValueError(
-                "role must be 'query' or 'key' for a fitted map with separate query and key "
-                f"parameters; got {role!r}"
-            )
-        return role
-
-    def _statistics(self, statistics: Statistics | None) -> tuple[Any, Any]:
-        """``(A, Psi)``: the map's own, or a call's (arrays) where the map has none."""
-        oprf_a, psi = self.oprf_a, self._rebalance_scales
-        if statistics is not None:
-            if oprf_a is None:
-                oprf_a = statistics.oprf_a
-            if psi is None and self.rebalance:
-                psi = statistics.rebalance_scales
-        return oprf_a, psi
-
-    def _check_input(
-        self, x: Array, role: object, statistics: Statistics | None = None
-    ) -> tuple[Any, Array]:
-        """The namespace and ``x`` in the compute dtype, after every check on ``x``."""
-        xp = namespace_of({"x": x})
-        dtype = float_dtype(xp, "x", x)
-        if x.ndim < 1 or x.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"x must have shape (..., {self.head_dim}) to match the feature map's "
-                f"head_dim; got shape {tuple(x.shape)}"
-            )
-        if role not in (None, "query", "key"):
-            raise ValueError(f"role must be 'query', 'key' or None; got {role!r}")
-        oprf_a, psi = self._statistics(statistics)
-        if (self._spec.oprf and oprf_a is None) or (self.rebalance and psi is None):
-            raise ValueError(
-                f"this {self.kind!r} feature map{' with rebalance=True' if self.rebalance else ''}"
-                " needs query/key statistics: expected a map from calibrate(q, k) or "
-                "with_statistics(...), got one without them"
-            )
-        if psi is not None and role is None:
-            raise ValueError(
-                "role must be 'query' or 'key' for a rebalanced feature map; got None"
-            )
-        return xp, xp.astype(x, compute_dtype(xp, dtype), copy=False)
-
-    def _input_factor(self, xp: Any, x: Array, role: object, psi: Any) -> Any:
-        """``sqrt(scale)``, times ``Psi`` for rebalanced queries or ``1 / Psi`` for keys."""
-        factor: Any = math.sqrt(self.scale)
-        if psi is not None:
-            psi = _like(xp, psi, x)
-            factor = factor * (psi if role == "query" else 1.0 / psi)
-        return factor
-
-    def _without_overflow(self, xp: Any, x: Array, role: object, psi: Any) -> tuple[Array, Array]:
-        """``x`` with zeros for rows too large to project, and where those rows are.
-
-        A row whose largest scaled entry exceeds :func:`overflow_limit` could overflow
-        ``|x|^2`` (and ``inf - inf`` gives NaN): its log-features are set to the kind's
-        ``overflow`` value instead of being computed, with no floating-point warning.
-        """
-        largest = xp.max(xp.abs(x), axis=-1, keepdims=True) * math.sqrt(self.scale)
-        if psi is not None:
-            psi = _like(xp, psi, x)
-            largest = largest * xp.max(psi if role == "query" else 1.0 / psi)
-        overflow = largest > overflow_limit(xp, x.dtype, self.head_dim)
-        return xp.where(overflow, constant(xp, 0.0, x), x), overflow
-
-    def _projection_like(self, xp: Any, x: Array) -> Array:
-        assert self._projection is not None
-        return from_host(xp, self._projection, dtype=x.dtype, device=array_device(x))
-
-
-def overflow_limit(xp: Any, dtype: Any, head_dim: int) -> float:
-    """The largest scaled input entry whose row's ``|x|^2 / 2`` cannot overflow.
-
-    ``sqrt(float_max / (2 d))``: about ``1.5e18`` for float32 and ``3e153`` for float64
-    at ``d = 64``.  Past it the Gaussian kinds' true log-features
-    ``w^T x - |x|^2 / 2`` are below ``-float_max / (4 d)`` (features that are 0 in
-    every float type), so they are set to ``-inf``.
-    """
-    return math.sqrt(float(xp.finfo(dtype).max) / (2 * head_dim))
-
-
-def _like(xp: Any, values: Any, x: Array) -> Array:
-    """Host (NumPy) statistics moved to ``x``'s namespace; device ones cast to its dtype."""
-    if isinstance(values, np.ndarray):
-        return from_host(xp, values, dtype=x.dtype, device=array_device(x))
-    return xp.astype(values, x.dtype)
-
-
-def _refuse_traced(name: str, x: Array) -> None:
-    """``calibrate`` fixes statistics on the host: a traced array has no value yet."""
-    if is_jax_array(x):
-        import jax
-
-        if isinstance(x, jax.core.Tracer):
-            raise TypeError(
-                f"calibrate computes statistics on the host, so {name} must be a concrete "
-                "array; got a JAX tracer (inside jit or grad). Calibrate outside the "
-                "traced function, or pass the uncalibrated map to linear_attention, which "
-                "computes per-call statistics on the device (bidirectional attention)"
-            )
+        return compute.parameter_vjp(self, x, d_log, role=role)
 
 
 def _refuse_assignment(self: FeatureMap, name: str, value: object) -> None:
@@ -947,28 +698,8 @@ def _refuse_assignment(self: FeatureMap, name: str, value: object) -> None:
 # The frozen dataclass refuses assignment already; this says what to do instead.
 FeatureMap.__setattr__ = _refuse_assignment  # type: ignore[assignment,method-assign]
 
-
-#: Every live map by fingerprint (see :func:`feature_map_for`): weak references to all
-#: the equal maps alive, so that one's death leaves the others found.
-_LIVE: dict[str, list[weakref.ref[FeatureMap]]] = {}
-#: Guards ``_LIVE``; re-entrant, since a reference's callback may run (garbage
-#: collection) in a thread that holds it.
-_LIVE_LOCK = threading.RLock()
-
-
-def _register_live(feature_map: FeatureMap) -> None:
-    fingerprint = feature_map.fingerprint
-
-    def forget(ref: weakref.ref[FeatureMap]) -> None:
-        with _LIVE_LOCK:
-            refs = [r for r in _LIVE.get(fingerprint, []) if r is not ref]
-            if refs:
-                _LIVE[fingerprint] = refs
-            else:
-                _LIVE.pop(fingerprint, None)
-
-    with _LIVE_LOCK:
-        _LIVE[fingerprint] = [*_LIVE.get(fingerprint, []), weakref.ref(feature_map, forget)]
+#: Every live map by fingerprint (see :func:`feature_map_for`).
+_LIVE_MAPS: LiveRegistry[FeatureMap] = LiveRegistry()
 
 
 def feature_map_for(fingerprint: str) -> FeatureMap | None:
@@ -986,12 +717,7 @@ def feature_map_for(fingerprint: str) -> FeatureMap | None:
     >>> feature_map_for(fm.fingerprint).fingerprint == fm.fingerprint
     True
     """
-    with _LIVE_LOCK:
-        refs = list(_LIVE.get(fingerprint, []))
-    for ref in refs:
-        if (feature_map := ref()) is not None:
-            return feature_map
-    return None
+    return _LIVE_MAPS.find(fingerprint)
 
 
 def _restore(fields: dict[str, Any]) -> FeatureMap:
@@ -999,48 +725,3 @@ def _restore(fields: dict[str, Any]) -> FeatureMap:
     new = object.__new__(FeatureMap)
     new._assign(**fields)
     return new
-
-
-def _frozen(array: np.ndarray) -> np.ndarray:
-    array.setflags(write=False)
-    return array
-
-
-def _check_oprf_a(oprf_a: object, kind: str) -> float:
-    if not kind_spec(kind).oprf:
-        raise ValueError(f"oprf_a applies to kinds {OPRF_KINDS}; got kind={kind!r}")
-    if (
-        isinstance(oprf_a, bool)
-        or not isinstance(oprf_a, int | float | np.floating | np.integer)
-        or not (MIN_OPRF_A <= oprf_a < 0.125)
-    ):
-        raise ValueError(
-            f"oprf_a must be a number below 1/8 (finite variance) and at least "
-            f"{MIN_OPRF_A:g} (see MIN_OPRF_A); got {oprf_a!r}"
-        )
-    return float(oprf_a)
-
-
-def _check_rebalance_scales(scales: Any, head_dim: int) -> np.ndarray:
-    host = to_host(scales) if is_array(scales) else np.asarray(scales)
-    if host.dtype.kind not in "iuf":
-        raise TypeError(
-            f"rebalance_scales must be {head_dim} real numbers; got dtype {host.dtype}"
-        )
-    host = np.array(host, dtype=np.float64, copy=True)
-    if host.shape != (head_dim,) or not np.all(np.isfinite(host) & (host > 0)):
-        raise ValueError(
-            f"rebalance_scales must be {head_dim} positive finite numbers; got shape {host.shape}"
-        )
-    return host
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
-
-
-def _check_seed(seed: object) -> None:
-    """(``object``: the annotation says what a caller should pass, not what it did.)"""
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")

@@ -5,7 +5,9 @@ be negative) and knows the vector-Jacobian product of that map.  Random kinds wo
 the projection ``p = W x_s`` and the half squared norm ``n = |x_s|^2 / 2`` of the
 scaled input ``x_s`` (:meth:`linattn.FeatureMap.signed_log_features` computes both);
 deterministic kinds work on ``x`` itself.  Adding a kind means adding one object to
-:data:`KIND_SPECS` (and, only if it should run in the fused CPU pass, a kernel).
+:data:`KIND_SPECS` and its name to :data:`Kind` (and, only if it should run in the fused
+CPU pass, a kernel); the kind names (:data:`KINDS`, :data:`SOFTMAX_KINDS`,
+:data:`OPRF_KINDS`) are read from the objects.
 
 The formulas are in ``docs/algorithm.md`` (sections 3 and 5).
 """
@@ -13,15 +15,27 @@ The formulas are in ``docs/algorithm.md`` (sections 3 and 5).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, SupportsIndex, overload
 
 import numpy as np
 
 from linattn._xp import Array, Namespace, array_device, constant, from_host
 from linattn.fitted import log_softmax_pairs, log_softmax_pairs_vjp
 
-__all__ = ["KIND_SPECS", "FeatureKind", "KindInputs", "MapSizes", "kind_spec"]
+__all__ = [
+    "KINDS",
+    "KIND_SPECS",
+    "OPRF_KINDS",
+    "SOFTMAX_KINDS",
+    "FeatureKind",
+    "Kind",
+    "KindInputs",
+    "KindNames",
+    "MapSizes",
+    "kind_spec",
+]
 
 #: Added to ReLU features so that attention denominators stay positive.
 RELU_EPSILON = 1e-3
@@ -287,7 +301,123 @@ KIND_SPECS: dict[str, FeatureKind] = {
 
 
 def kind_spec(kind: object) -> FeatureKind:
-    """The :class:`FeatureKind` named ``kind``; ``ValueError`` listing the kinds otherwise."""
+    """The :class:`FeatureKind` named ``kind``: what the kind is and how it computes.
+
+    Parameters
+    ----------
+    kind : str
+        A ``kind=`` name, one of :data:`KINDS`.
+
+    Returns
+    -------
+    FeatureKind
+        Its flags (``random``, ``rows_per_feature``, ``softmax``, ``oprf``, ...) and its
+        log-features.
+
+    Raises
+    ------
+    ValueError
+        ``kind`` is not a kind name (the message lists them).
+
+    Examples
+    --------
+    >>> from linattn.features import kind_spec
+    >>> spec = kind_spec("hyperbolic")
+    >>> spec.random, spec.rows_per_feature, spec.softmax
+    (True, 2, True)
+    """
     if not isinstance(kind, str) or kind not in KIND_SPECS:
         raise ValueError(f"kind must be one of {sorted(KIND_SPECS)}; got {kind!r}")
     return KIND_SPECS[kind]
+
+
+#: The ``kind=`` names, in the order of :data:`KIND_SPECS` (a test checks that they are
+#: its keys: a type checker needs them spelled out).
+Kind = Literal[
+    "positive",
+    "hyperbolic",
+    "oprf",
+    "hyperbolic_oprf",
+    "trigonometric",
+    "random_relu",
+    "elu",
+    "relu",
+    "hedgehog",
+]
+
+_KINDS_DEPRECATED = (
+    "linattn.KINDS is a tuple of kind names; {use} is deprecated: use "
+    "linattn.features.kind_spec(name).random / .rows_per_feature"
+)
+
+
+class KindNames(tuple[str, ...]):
+    """The kind names, a tuple; for one release also the old ``{name: (random, rows)}``.
+
+    Iterating, ``in``, ``len`` and integer indices are the tuple's.  The former dict's
+    ``KINDS[name]``, ``items()``, ``keys()``, ``values()`` and ``get()`` still give its
+    values ``(uses a random projection, projection rows per output feature)`` with a
+    :class:`DeprecationWarning`; :func:`kind_spec` gives them as attributes.
+
+    Examples
+    --------
+    >>> import linattn as la
+    >>> "oprf" in la.KINDS, la.KINDS[0], len(la.KINDS) == len(set(la.KINDS))
+    (True, 'positive', True)
+    """
+
+    __slots__ = ()
+
+    @overload
+    def __getitem__(self, key: SupportsIndex, /) -> str: ...
+    @overload
+    def __getitem__(self, key: slice, /) -> tuple[str, ...]: ...
+    @overload
+    def __getitem__(self, key: str, /) -> tuple[bool, int]: ...
+    def __getitem__(self, key: SupportsIndex | slice | str, /) -> Any:
+        if isinstance(key, str):
+            _warn_dict_use("KINDS[name]")
+            if key not in self:
+                raise KeyError(key)
+            return _old_entry(key)
+        return super().__getitem__(key)
+
+    def items(self) -> list[tuple[str, tuple[bool, int]]]:
+        """Deprecated: ``(name, (random, rows_per_feature))`` for each kind."""
+        _warn_dict_use("KINDS.items()")
+        return [(name, _old_entry(name)) for name in self]
+
+    def keys(self) -> tuple[str, ...]:
+        """Deprecated: the names (iterate over ``KINDS`` itself)."""
+        _warn_dict_use("KINDS.keys()")
+        return tuple(self)
+
+    def values(self) -> list[tuple[bool, int]]:
+        """Deprecated: ``(random, rows_per_feature)`` for each kind."""
+        _warn_dict_use("KINDS.values()")
+        return [_old_entry(name) for name in self]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Deprecated: ``(random, rows_per_feature)`` of ``key``, or ``default``."""
+        _warn_dict_use("KINDS.get(name)")
+        return _old_entry(key) if key in self else default
+
+
+def _warn_dict_use(use: str) -> None:
+    # stacklevel 3: the caller of the KindNames method.
+    warnings.warn(_KINDS_DEPRECATED.format(use=use), DeprecationWarning, stacklevel=3)
+
+
+def _old_entry(name: str) -> tuple[bool, int]:
+    """The former ``KINDS[name]``: ``(uses a random projection, rows per feature)``."""
+    spec = KIND_SPECS[name]
+    return spec.random, spec.rows_per_feature
+
+
+#: Every feature kind's name, in the order of :data:`KIND_SPECS` (a tuple;
+#: :class:`KindNames` keeps the former dict's uses for one release, deprecated).
+KINDS = KindNames(KIND_SPECS)
+#: Kinds whose features estimate the softmax kernel exp(x^T y) without bias.
+SOFTMAX_KINDS = tuple(name for name, spec in KIND_SPECS.items() if spec.softmax)
+#: Kinds with the OPRF (FAVOR++) parameter A.
+OPRF_KINDS = tuple(name for name, spec in KIND_SPECS.items() if spec.oprf)
