@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from linattn import _dispatch
-from linattn import causal as causal_path
 from linattn._adjoints import sum_to
 from linattn._checks import (
     broadcast_shapes,
@@ -48,7 +47,6 @@ __all__ = [
     "Call",
     "CheckedInputs",
     "ExactPartsCall",
-    "attend",
     "attention_operands",
     "call_statistics",
     "check_exact_call",
@@ -473,41 +471,6 @@ def drop_masked_keys(
         return k, v
     keep = key_mask[..., None]
     return xp.where(keep, k, constant(xp, 0.0, k)), xp.where(keep, v, constant(xp, 0.0, v))
-
-
-def attend(
-    xp: Any,
-    operands: tuple[Array, Array | None, Array, Array | None, Array],
-    kv: Array,
-    log_shift: Array,
-    *,
-    causal: bool,
-    chunk_size: int,
-    plan: _dispatch.Plan,
-) -> tuple[Array, Array, Array]:
-    """Unnormalised ``[numerator | denominator]`` and the state after the keys.
-
-    Causal attention runs on the plan's path (:mod:`linattn._dispatch`); bidirectional
-    attention is one pass in the array API.
-    """
-    log_phi_q, sign_q, log_phi_k, sign_k, values_aug = operands
-    if causal:
-        return _dispatch.causal(
-            xp,
-            log_phi_q,
-            sign_q,
-            log_phi_k,
-            sign_k,
-            values_aug,
-            kv,
-            log_shift,
-            chunk_size=chunk_size,
-            plan=plan,
-        )
-    outputs_aug = causal_path.bidirectional(
-        xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift
-    )
-    return outputs_aug, kv, log_shift
 
 
 def exact_parts_vjp(

@@ -23,7 +23,6 @@ from linattn import _dispatch
 from linattn._adjoints import bidirectional_vjp, causal_vjp, normalise_vjp, sum_to
 from linattn._call import (
     Call,
-    attend,
     attention_operands,
     call_statistics,
     drop_masked_keys,
@@ -271,7 +270,7 @@ def _vjp(
     kv, log_shift = empty_state(xp, batch, m, dv, log_phi_q)
 
     operands = (log_phi_q, sign_q, log_phi_k, sign_k, values_aug)
-    outputs_aug, _, _ = attend(
+    outputs_aug, _, _ = _dispatch.attend(
         xp, operands, kv, log_shift, causal=causal, chunk_size=chunk_size, plan=plan
     )
     d_outputs_aug = normalise_vjp(xp, outputs_aug, xp.astype(grad_output, work, copy=False))

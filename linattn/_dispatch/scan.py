@@ -44,10 +44,11 @@ __all__ = [
     "EAGER_CPU_TOKENS_PER_PASS",
     "PATHS",
     "CausalResult",
+    "Operands",
     "Path",
     "Plan",
+    "attend",
     "backward_follows",
-    "causal",
     "causal_plan",
     "chunk_size_for",
     "fused_pass",
@@ -254,24 +255,40 @@ def scan_plan(
     )
 
 
-def causal(
+#: What attention computes from: ``(log_phi_q, sign_q, log_phi_k, sign_k, values_aug)``
+#: (signs None for positive features).
+Operands = tuple[Array, Array | None, Array, Array | None, Array]
+
+
+def attend(
     xp: Namespace,
-    log_phi_q: Array,
-    sign_q: Array | None,
-    log_phi_k: Array,
-    sign_k: Array | None,
-    values_aug: Array,
+    operands: Operands,
     kv: Array,
     log_shift: Array,
     *,
+    causal: bool,
     chunk_size: int,
     plan: Plan,
     return_log_scale: bool = False,
 ) -> tuple[Array, ...]:
-    """Chunked causal attention on the plan's path; same results either way.
+    """Unnormalised ``[numerator | denominator]`` rows and the state after the keys,
+    ``(rows, kv, log_shift)``; with ``return_log_scale`` also each row's log-scale (the
+    rows' stabiliser, for merging partials).
 
-    With ``return_log_scale`` also each row's log-scale (:func:`linattn.causal.causal`).
+    Causal attention runs on the plan's path (compiled kernel or the chunked pass of
+    :func:`linattn.causal.causal`, same results either way); bidirectional attention is
+    one pass in the array API (:func:`linattn.causal.bidirectional`; the state returned
+    is the one given).
     """
+    log_phi_q, sign_q, log_phi_k, sign_k, values_aug = operands
+    if not causal:
+        result = causal_path.bidirectional(
+            xp, log_phi_q, sign_q, log_phi_k, sign_k, values_aug, kv, log_shift,
+            return_log_scale=return_log_scale,
+        )  # fmt: skip
+        if return_log_scale:
+            return result[0], kv, log_shift, result[1]
+        return result, kv, log_shift
     if plan.kernel is not None:
         if return_log_scale:
             return plan.kernel(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from linattn import _dispatch
 from linattn import causal as causal_path
-from linattn._call import Call, attend, attention_operands
+from linattn._call import Call, attention_operands
 from linattn.executors.base import Executor, Result, Runner, Takes
 from linattn.executors.plain import finish, prepare
 
@@ -24,7 +24,7 @@ class Portable(Executor):
         operands = attention_operands(
             p.q, p.k, p.v, p.feature_map, p.info, p.batch, call.key_mask, p.work, p.statistics
         )
-        outputs_aug, kv, log_shift = attend(
+        outputs_aug, kv, log_shift = _dispatch.attend(
             xp, operands, p.kv, p.log_shift, causal=call.causal, chunk_size=p.chunk_size,
             plan=scan,
         )  # fmt: skip

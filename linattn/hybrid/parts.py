@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from linattn import _dispatch, fitted
-from linattn import causal as causal_path
 from linattn._adjoints import bidirectional_vjp, causal_vjp
 from linattn._xp import Array, Namespace, array_device, constant
 from linattn.fitted import add_cotangents
@@ -219,34 +218,12 @@ class FarPart(Part):
             )
             rows = xp.concat([out, xp.ones_like(out[..., :1])], axis=-1)
         else:
-            log_phi_q, sign_q, log_phi_k, sign_k = self.features(xp, q, k, keep)
             values_aug = xp.concat([v, xp.ones_like(v[..., :1])], axis=-1)
-            if self.causal:
-                rows, kv, log_shift, log_scale = _dispatch.causal(
-                    xp,
-                    log_phi_q,
-                    sign_q,
-                    log_phi_k,
-                    sign_k,
-                    values_aug,
-                    kv,
-                    log_shift,
-                    chunk_size=self.chunk_size,
-                    plan=plan,
-                    return_log_scale=True,
-                )
-            else:
-                rows, log_scale = causal_path.bidirectional(
-                    xp,
-                    log_phi_q,
-                    sign_q,
-                    log_phi_k,
-                    sign_k,
-                    values_aug,
-                    kv,
-                    log_shift,
-                    return_log_scale=True,
-                )
+            operands = (*self.features(xp, q, k, keep), values_aug)
+            rows, kv, log_shift, log_scale = _dispatch.attend(
+                xp, operands, kv, log_shift, causal=self.causal, chunk_size=self.chunk_size,
+                plan=plan, return_log_scale=True,
+            )  # fmt: skip
         # A row that saw no key holds nothing: its scale must not outweigh the others.
         log_scale = xp.where(rows[..., -1] == 0, constant(xp, -math.inf, log_scale), log_scale)
         if self.reverse:
