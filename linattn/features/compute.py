@@ -168,7 +168,7 @@ def parameter_vjp(fm: MapView, x: Array, d_log: Array, /, *, role: Role) -> dict
 
 
 def overflow_limit(xp: Any, dtype: Any, head_dim: int) -> float:
-    """The largest scaled input entry whose row's ``|x|^2 / 2`` cannot overflow.
+    """The largest scaled input entry whose row's half squared norm cannot overflow.
 
     ``sqrt(float_max / (2 d))``: about ``1.5e18`` for float32 and ``3e153`` for float64
     at ``d = 64``.  Past it the Gaussian kinds' true log-features

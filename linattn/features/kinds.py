@@ -98,7 +98,7 @@ class FeatureKind:
         Parameters fitted to a layer's attention, per role and head
         (:mod:`linattn.fitted`): ``proj`` is ``x W + b``.
     follows_half_norm : bool
-        The log-features are ``... -+ |x|^2 / 2``: the overflow value is reached by
+        The log-features subtract (or add) ``|x|^2 / 2``: the overflow value is reached by
         setting the half norm of such a row to ``+inf`` (or NaN), an ``(L, 1)`` selection
         instead of one over every feature.
     """
@@ -306,7 +306,7 @@ def kind_spec(kind: object) -> FeatureKind:
     Parameters
     ----------
     kind : str
-        A ``kind=`` name, one of :data:`KINDS`.
+        A ``kind=`` name, one of :data:`linattn.KINDS`.
 
     Returns
     -------
@@ -352,12 +352,12 @@ _KINDS_DEPRECATED = (
 
 
 class KindNames(tuple[str, ...]):
-    """The kind names, a tuple; for one release also the old ``{name: (random, rows)}``.
+    """The kind names, a tuple (for one release also the former dict of their facts).
 
     Iterating, ``in``, ``len`` and integer indices are the tuple's.  The former dict's
     ``KINDS[name]``, ``items()``, ``keys()``, ``values()`` and ``get()`` still give its
     values ``(uses a random projection, projection rows per output feature)`` with a
-    :class:`DeprecationWarning`; :func:`kind_spec` gives them as attributes.
+    :class:`DeprecationWarning`; :func:`linattn.features.kind_spec` gives them as attributes.
 
     Examples
     --------

@@ -112,7 +112,7 @@ def favor_causal(
     """Causal FAVOR+ in one pass: features, attention and normalisation chunk by chunk.
 
     The same results as ``FeatureMap.signed_log_features`` followed by
-    :func:`linattn_numba.cpu.causal.numpy_forward` and ``linattn.causal.normalise`` for
+    ``linattn_numba.cpu.causal.numpy_forward`` and ``linattn.causal.normalise`` for
     the ``"positive"`` and ``"hyperbolic"`` kinds, without ever holding an ``L x m``
     feature array: memory above inputs and outputs is ``O(C m)`` per thread.  Inputs
     must already be checked by ``linattn`` (shapes broadcast, one floating dtype); they
