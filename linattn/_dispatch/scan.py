@@ -1,6 +1,6 @@
 """The causal scan's path (one :class:`Plan`): compiled kernel, JAX scan, Dask graph or
 the array API, decided per call from the arrays, the map and the call's resolved backend;
-and the scan itself on that path (:func:`causal`) with the compiled kernels' backward.
+and attention on that path (:func:`attend`) with the compiled kernels' backward.
 
 ``backend="auto"`` (or the ``LINATTN_BACKEND`` environment variable) picks a compiled
 Numba kernel when one can serve the arrays and the portable code otherwise;
