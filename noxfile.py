@@ -30,7 +30,7 @@ nox.options.error_on_missing_interpreters = False
 
 PYTHON = "3.11"
 #: Modules that import a framework (or the models extra): doctested in their sessions.
-FRAMEWORK_MODULES = ("torch.py", "flax.py", "jax.py", "integrations", "models")
+FRAMEWORK_MODULES = ("torch", "flax.py", "jax.py", "integrations", "models")
 TORCH = "torch==2.13.0"
 #: The dependency groups of ``pyproject.toml`` (one list for nox, pip and uv).
 PYPROJECT = nox.project.load_toml("pyproject.toml")
@@ -168,7 +168,7 @@ def _layers(session: nox.Session, tests: tuple[str, ...], *install: str, extras:
 def layers_torch(session: nox.Session) -> None:
     """linattn.torch (FastAttention, MultiheadAttention) and grouped-query attention."""
     _layers(session, ("tests/test_layers_torch.py",), TORCH)
-    session.run("pytest", "--doctest-modules", "linattn/torch.py", "linattn/_gqa.py")
+    session.run("pytest", "--doctest-modules", "linattn/torch", "linattn/_gqa.py")
     session.run(
         "pytest", "tests/test_gqa.py", *session.posargs,
         env={"LINATTN_TEST_BACKENDS": "numpy,torch"},

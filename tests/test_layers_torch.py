@@ -199,7 +199,7 @@ def exact(monkeypatch: pytest.MonkeyPatch) -> None:
     def softmax(q, k, v, feature_map, *, causal, key_mask, **_):  # type: ignore[no-untyped-def]
         return la.softmax_attention(q, k, v, causal=causal, key_mask=key_mask)
 
-    monkeypatch.setattr(lt, "linear_attention", softmax)
+    monkeypatch.setattr(lt.layers, "linear_attention", softmax)  # (what the layers call)
 
 
 @pytest.mark.usefixtures("exact")
