@@ -403,7 +403,7 @@ def attention_operands(
     """
     xp = info.xp
     m = feature_map.num_features
-    feature_map = feature_map._far_cancelled()  # (no exact parts here: a far weight cancels)
+    feature_map = feature_map.far_cancelled()  # (no exact parts here: a far weight cancels)
     log_phi_q, sign_q = feature_map.signed_log_features(q, role="query", statistics=statistics)
     log_phi_k, sign_k = feature_map.signed_log_features(k, role="key", statistics=statistics)
     if key_mask is not None:

@@ -471,7 +471,7 @@ def _chunk_state(k: Array, v: Array, *rest: Array, feature_map: Any, masked: boo
     fm = feature_map
     xp = array_namespace(k)
     # (no exact parts on this graph: a fitted map's far weight cancels)
-    log_phi_k, sign_k = fm._far_cancelled().signed_log_features(k, role="key")
+    log_phi_k, sign_k = fm.far_cancelled().signed_log_features(k, role="key")
     if masked:
         log_phi_k = xp.where(rest[0][..., None], log_phi_k, constant(xp, -math.inf, log_phi_k))
     values = xp.astype(v, log_phi_k.dtype)

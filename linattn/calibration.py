@@ -45,9 +45,10 @@ class QueryKeyStatistics:
     @property
     def rho(self) -> float:
         """``E|x + y|^2 / d`` over independent query-key pairs."""
-        return float(_rho(np, *self._arrays()))
+        return float(_rho(np, *self.arrays()))
 
-    def _arrays(self) -> tuple[np.ndarray, ...]:
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """``(query_mean, key_mean, query_energy, key_energy)``."""
         return self.query_mean, self.key_mean, self.query_energy, self.key_energy
 
 
@@ -167,7 +168,7 @@ def rebalance_scales(stats: QueryKeyStatistics) -> np.ndarray:
     """
     psi, _ = statistics_from_moments(
         array_namespace(stats.query_mean),
-        np.stack(stats._arrays()),
+        np.stack(stats.arrays()),
         rebalance=True,
         oprf=False,
     )

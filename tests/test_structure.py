@@ -85,6 +85,52 @@ def private_names_crossing(module: str) -> list[str]:
     return problems
 
 
+#: Private names of the standard library's own objects (named tuples) read anywhere.
+STANDARD_PRIVATE = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
+
+
+def private_members() -> dict[str, set[str]]:
+    """Module -> the private methods and attributes its classes define."""
+    members: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in ast.walk(node):
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+                elif isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store):
+                    names.add(item.attr)
+        members[module] = {name for name in names if _private(name)}
+    return members
+
+
+def private_members_crossing(module: str, members: dict[str, set[str]]) -> list[str]:
+    """``obj._name`` where ``_name`` is a private member that only other modules' classes
+    define (``self`` and ``cls`` aside): a sibling's object read from outside."""
+    elsewhere = {n for m, names in members.items() if m != module for n in names}
+    problems = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and node.attr in elsewhere
+            and node.attr not in members[module] | STANDARD_PRIVATE
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            problems.append(f"{module}:{node.lineno}: .{node.attr}")
+    return problems
+
+
+def test_no_private_member_of_another_modules_class_is_read() -> None:
+    members = private_members()
+    problems = [p for module in MODULES for p in private_members_crossing(module, members)]
+    assert not problems, "private members read across modules:\n" + "\n".join(problems)
+
+
 def test_no_private_name_crosses_a_module() -> None:
     problems = [p for module in MODULES for p in private_names_crossing(module)]
     assert not problems, "private names used across modules:\n" + "\n".join(problems)

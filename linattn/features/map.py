@@ -232,7 +232,7 @@ class FeatureMap:
     def _replace(self, **changes: Any) -> FeatureMap:
         """A copy with any fields of :meth:`_assign` changed (checked as :meth:`_assign` does).
 
-        Outside this module, :meth:`replace` (``linattn.torch`` still calls this one).
+        Outside this module, :meth:`replace`.
         """
         return _restore({**self._fields(), **changes})
 
@@ -428,7 +428,7 @@ class FeatureMap:
             self._grouped_maps[key] = self._replace(parameters=grouped)
         return self._grouped_maps[key]
 
-    def _far_cancelled(self) -> FeatureMap:
+    def far_cancelled(self) -> FeatureMap:
         """This map with far weight 1, for calls without exact parts, where ``g`` cancels.
 
         Every key of a head carries the same ``log g``, so without exact parts it cancels

@@ -89,7 +89,7 @@ def calibrated(
         key_mask,
         query_mask,
     )
-    moments = np.stack(stats._arrays())
+    moments = np.stack(stats.arrays())
     if not np.all(np.isfinite(moments)):
         raise ValueError(
             "calibrate needs finite q and (unmasked) k: their mean or energy came out "
