@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import documents
 from transformers import AutoModel
 
-from linattn.integrations.transformers import layer_errors, refine
-from linattn.integrations.transformers_convert import EXACT_HEADS
+from linattn.integrations.transformers import layer_errors, refine, state_of
+from linattn.integrations.transformers.state import update
 from linattn.models import load_model, resolve_model_path
 from linattn.models.convert import (
     attention_from_file,
@@ -68,16 +68,18 @@ def encode_times(model, maps, batches, repeats: int) -> dict[str, float]:  # typ
     warm-up round), and each one's ratio to exact attention; the model comes back as it
     was."""
     modules = [layer.attention.self for layer in model.encoder.layer]
-    heads = [m.__dict__.get(EXACT_HEADS) for m in modules]
+    heads = [state_of(m).exact_heads for m in modules]
 
     def configure(name: str) -> None:
         model.set_attn_implementation("sdpa" if name == "exact" else "linattn")
         for module, fm, exact in zip(modules, maps, heads, strict=True):
             g0 = name == "window + sinks"
-            module.__dict__["_linattn_fitted"] = fm.with_parameters(far_weight=0.0) if g0 else fm
-            module.__dict__.pop(EXACT_HEADS, None)
-            if name == "fitted + exact heads" and exact:
-                module.__dict__[EXACT_HEADS] = exact
+            with_heads = name == "fitted + exact heads" and exact
+            update(
+                module,
+                fitted=fm.with_parameters(far_weight=0.0) if g0 else fm,
+                exact_heads=exact if with_heads else (),
+            )
 
     names = ["exact", "window + sinks", "fitted"] + (["fitted + exact heads"] * any(heads))
     seconds: dict[str, list[float]] = {name: [] for name in names}
@@ -169,7 +171,7 @@ def main() -> None:
     }  # fmt: skip
     model.set_attn_implementation("linattn")
     for layer, fm in zip(model.encoder.layer, fitted.maps, strict=True):
-        layer.attention.self.__dict__["_linattn_fitted"] = fm  # the NumPy fit's maps
+        update(layer.attention.self, fitted=fm)  # the NumPy fit's maps
 
     test_inputs = [inputs(*b) for b in parts["test"]]
 
@@ -206,13 +208,13 @@ def main() -> None:
                 )  # fmt: skip
         return out
 
-    maps = [layer.attention.self.__dict__["_linattn_fitted"] for layer in model.encoder.layer]
+    maps = [state_of(layer.attention.self).fitted for layer in model.encoder.layer]
     for layer, fm in zip(model.encoder.layer, maps, strict=True):  # g = 0: window + sinks
-        layer.attention.self.__dict__["_linattn_fitted"] = fm.with_parameters(far_weight=0.0)
+        update(layer.attention.self, fitted=fm.with_parameters(far_weight=0.0))
     results = [row("window + sinks")]
     print(json.dumps(results[-1]), flush=True)
     for layer, fm in zip(model.encoder.layer, maps, strict=True):
-        layer.attention.self.__dict__["_linattn_fitted"] = fm
+        update(layer.attention.self, fitted=fm)
     if args.exact_heads:  # ranked as LayerFit.error_shares: validation, exact activations
         val_inputs = [inputs(*b) for b in parts["validation"]]
         for layer, entry in zip(
@@ -220,10 +222,10 @@ def main() -> None:
         ):
             squared = entry["fitted"] ** 2 * entry["exact_squared_norm"]
             worst = np.argsort(-squared, kind="stable")[: args.exact_heads]
-            layer.attention.self.__dict__[EXACT_HEADS] = tuple(sorted(int(h) for h in worst))
+            update(layer.attention.self, exact_heads=tuple(sorted(int(h) for h in worst)))
     results.append(row("per-layer fit"))
     results[-1]["exact_heads"] = [
-        list(layer.attention.self.__dict__.get(EXACT_HEADS, ())) for layer in model.encoder.layer
+        list(state_of(layer.attention.self).exact_heads) for layer in model.encoder.layer
     ]
     if args.layers:
         results[-1]["layers"] = layers()

@@ -11,7 +11,7 @@ the exact heads, progress lines prefixed with the layer, resuming from the layer
 checkpoint holds, and a checkpoint after each layer.
 
 The adapters: :mod:`linattn.models.convert` (the NumPy BERT encoder, activations
-streamed) and :mod:`linattn.integrations.transformers_convert` (transformers models,
+streamed) and :mod:`linattn.integrations.transformers.convert` (transformers models,
 activations captured from the model's own forward pass).
 """
 

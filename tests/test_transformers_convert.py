@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 
 import numpy as np
 import pytest
@@ -16,14 +17,15 @@ import linattn as la  # noqa: E402
 from linattn.integrations.transformers import (  # noqa: E402
     LinearAttentionCache,
     convert,
+    layer_errors,
     load_fitted,
+    model_fingerprint,
     refine,
     save_fitted,
+    splice_exact_heads,
+    state_of,
 )
-from linattn.integrations.transformers_convert import (  # noqa: E402
-    layer_errors,
-    model_fingerprint,
-)
+from linattn.integrations.transformers.state import update  # noqa: E402
 from linattn.torch import fitted_attention  # noqa: E402
 from linattn.transfer import exact_heads_of, load_maps, save_maps  # noqa: E402
 
@@ -109,12 +111,10 @@ def test_a_saved_converted_model_compiles_in_one_graph(name: str, tmp_path) -> N
     compiled kernels (linattn[numba]), once read, the whole model is one graph (masks,
     [CLS]/[SEP] keys, grouped-query heads, an exact head per layer); the portable path
     counts the exact keys on the host (graph breaks, as on any call)."""
-    from linattn.integrations.transformers_convert import EXACT_HEADS, FITTED
-
     model = copy.deepcopy(_converted(name)[0])  # (save_fitted sets its config)
     for module in model.modules():
-        if FITTED in module.__dict__:
-            module.__dict__[EXACT_HEADS] = (1,)
+        if state_of(module).fitted is not None:
+            update(module, exact_heads=(1,))
     save_fitted(model, tmp_path / "maps.safetensors")
     model.save_pretrained(tmp_path)
     auto = transformers.AutoModel if name == "bert" else transformers.AutoModelForCausalLM
@@ -157,7 +157,7 @@ def _reference(batch: dict[str, torch.Tensor], record: list | None = None, exact
                 module, q, k, v, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
             )
         out = la.linear_attention(
-            q, k, v, module._linattn_fitted, causal=causal, key_mask=key_mask,
+            q, k, v, state_of(module).fitted, causal=causal, key_mask=key_mask,
             window=WINDOW, sink_keys=SINKS, exact_key_mask=None if causal else exact_mask,
         )  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
@@ -185,7 +185,7 @@ def test_converted_model_equals_the_direct_call(name: str) -> None:
     assert model.config._attn_implementation == "linattn"
     expected_options = {"num_features": 8, "window": WINDOW, "sink_keys": SINKS}
     assert model.config.linattn.items() >= expected_options.items()
-    maps = [m._linattn_fitted for m in model.modules() if "_linattn_fitted" in m.__dict__]
+    maps = [state_of(m).fitted for m in model.modules() if state_of(m).fitted is not None]
     assert len(maps) == 2
     assert all(fm.kind == "hedgehog" for fm in maps)
     if name == "llama":  # per key head parameters and far weights
@@ -213,7 +213,7 @@ def test_convert_lowers_the_held_out_attention_error() -> None:
         exact = scores.masked_fill(~key_mask[..., None, :], -torch.inf).softmax(-1) @ v
         options = {"key_mask": key_mask, "window": WINDOW, "sink_keys": SINKS}
         fitted = la.linear_attention(
-            q, k, v, module._linattn_fitted, exact_key_mask=exact_mask, **options
+            q, k, v, state_of(module).fitted, exact_key_mask=exact_mask, **options
         )
         parts = la.linear_attention(
             q, k, v, None, exact_key_mask=exact_mask, scale=q.shape[-1] ** -0.5, **options
@@ -235,7 +235,7 @@ def test_layer_errors_on_the_converted_models_own_activations() -> None:
     those."""
     model, _ = _converted("bert")
     modules = [layer.attention.self for layer in model.encoder.layer]
-    fitted_maps = [m.__dict__["_linattn_fitted"] for m in modules]
+    fitted_maps = [state_of(m).fitted for m in modules]
     # Far weights of 30: each layer far from exact, so that the converted model's
     # activations differ from the exact model's and the errors depend on them.
     maps = [fm.with_parameters(far_weight=30.0) for fm in fitted_maps]
@@ -243,13 +243,13 @@ def test_layer_errors_on_the_converted_models_own_activations() -> None:
     record: list = []
     try:
         for module, fm in zip(modules, maps, strict=True):
-            module.__dict__["_linattn_fitted"] = fm
+            update(module, fitted=fm)
         _run_with(model, "record-converted", _reference(batch, record, exact=False), batch)
         measured = layer_errors(model, [batch], activations="converted")
         on_exact = layer_errors(model, [batch])
     finally:
         for module, fm in zip(modules, fitted_maps, strict=True):
-            module.__dict__["_linattn_fitted"] = fm
+            update(module, fitted=fm)
     real = batch["attention_mask"].bool()[:, None, :, None]
     key_mask = batch["attention_mask"].bool()[:, None]
     exact_mask = _first_and_last(batch["attention_mask"])[:, None]
@@ -356,7 +356,7 @@ def test_a_failed_conversion_leaves_the_model_as_it_was() -> None:
         convert(model, [_batch(1)], [_batch(2)], window=WINDOW, exact_keys="special", steps=2)
     assert model.config._attn_implementation == implementation
     assert not getattr(model.config, "linattn", None)
-    assert not any("_linattn_fitted" in m.__dict__ for m in model.modules())
+    assert not any(state_of(m).fitted is not None for m in model.modules())
 
 
 # -- refine: stitching (c) ------------------------------------------------------------------
@@ -407,17 +407,17 @@ def test_the_dense_hybrid_refine_fits_is_the_model_path(name: str) -> None:
     grouped-query heads, g = 0 heads)."""
     model, _ = _converted(name)
     batch = _batch(4)
-    module = next(m for m in model.modules() if "_linattn_fitted" in m.__dict__)
-    p = module._linattn_fitted.parameters
+    module = next(m for m in model.modules() if state_of(m).fitted is not None)
+    p = state_of(module).fitted.parameters
     far = np.array(p.far_weight, copy=True)
     far[..., :1] = 0.0  # one head on the exact parts alone
-    maps = {m: m._linattn_fitted for m in model.modules() if "_linattn_fitted" in m.__dict__}
+    maps = {m: state_of(m).fitted for m in model.modules() if state_of(m).fitted is not None}
     for m, fm in maps.items():
-        m.__dict__["_linattn_fitted"] = fm.with_parameters(far_weight=far)
+        update(m, fitted=fm.with_parameters(far_weight=far))
 
     def dense(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kw):  # type: ignore[no-untyped-def]
 
-        fm = module._linattn_fitted.parameters
+        fm = state_of(module).fitted.parameters
         values = {n: torch.tensor(a) for n, a in fm.arrays().items()}
         causal = bool(getattr(module, "is_causal", False))
         key_mask = batch["attention_mask"].bool()[:, None]
@@ -435,7 +435,7 @@ def test_the_dense_hybrid_refine_fits_is_the_model_path(name: str) -> None:
         )
     finally:
         for m, fm in maps.items():
-            m.__dict__["_linattn_fitted"] = fm
+            update(m, fitted=fm)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -445,9 +445,9 @@ def test_refine_lowers_the_final_error_and_leaves_the_weights(name: str) -> None
     conversion's, weights and their .grad are untouched, g = 0 heads stay 0."""
     model = _sharpened(name)
     before = {key: value.clone() for key, value in model.state_dict().items()}
-    module = next(m for m in model.modules() if "_linattn_fitted" in m.__dict__)
-    zero = module._linattn_fitted.with_parameters(far_weight=[0.0, 1.0])
-    module.__dict__["_linattn_fitted"] = zero
+    module = next(m for m in model.modules() if state_of(m).fitted is not None)
+    zero = state_of(module).fitted.with_parameters(far_weight=[0.0, 1.0])
+    update(module, fitted=zero)
     errors = _final_error(model, (1, 2)), _final_error(model, (5, 6, 7))
     lines: list[str] = []
     refine(model, [_batch(1), _batch(2)], [_batch(3)], steps=20, learning_rate=1e-2,
@@ -459,7 +459,7 @@ def test_refine_lowers_the_final_error_and_leaves_the_weights(name: str) -> None
     assert len(lines) == 5 and history[record["kept_step"]] == min(history.values()) < history[0]
     assert all(torch.equal(model.state_dict()[key], before[key]) for key in before)
     assert all(p.grad is None for p in model.parameters())
-    assert module._linattn_fitted.parameters.far_weight[0] == 0.0
+    assert state_of(module).fitted.parameters.far_weight[0] == 0.0
     assert model.config._attn_implementation == "linattn"
 
 
@@ -521,8 +521,6 @@ def _softmax_heads(q, k, v, mask, causal, scale):  # type: ignore[no-untyped-def
 def test_splice_exact_heads_replaces_those_heads_by_softmax_attention(causal: bool) -> None:
     """Only the exact heads change, to softmax attention over real keys (grouped-query:
     query head h reads key head h // 2); a row without keys gets zeros."""
-    from linattn.integrations.transformers_convert import EXACT_HEADS, splice_exact_heads
-
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 5, 3, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 5, 3, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -531,7 +529,7 @@ def test_splice_exact_heads_replaces_those_heads_by_softmax_attention(causal: bo
     out = torch.randn(2, 4, 5, 3, generator=gen, dtype=torch.float64)
     module = torch.nn.Module()
     assert splice_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5) is out
-    module.__dict__[EXACT_HEADS] = (1, 2)
+    update(module, exact_heads=(1, 2))
     got = splice_exact_heads(module, out, q, k, v, mask[:, None], causal, 0.5)
     torch.testing.assert_close(got[:, [0, 3]], out[:, [0, 3]], rtol=0, atol=0)
     expected = _softmax_heads(q[:, [1, 2]], k[:, [0, 1]], v[:, [0, 1]], mask, causal, 0.5)
@@ -561,8 +559,7 @@ def test_exact_heads_are_the_worst_fitted_and_survive_saving(tmp_path) -> None: 
     """One exact head per layer: the head with the largest share of the validation
     error; layer_errors gives it 0; refine's form of the model computes the model's own
     output; the file and a saved model keep the heads."""
-    from linattn.integrations import transformers_refine as tr
-    from linattn.integrations.transformers_convert import EXACT_HEADS
+    tr = importlib.import_module("linattn.integrations.transformers.refine")
 
     model = _llama()
     convert(
@@ -572,8 +569,8 @@ def test_exact_heads_are_the_worst_fitted_and_survive_saving(tmp_path) -> None: 
     record = model._linattn_conversion
     worst = [[int(np.argmax(shares))] for shares in record["error_shares"]]
     assert record["exact_heads"] == worst
-    modules = [m for m in model.modules() if "_linattn_fitted" in m.__dict__]
-    assert [list(m.__dict__[EXACT_HEADS]) for m in modules] == worst
+    modules = [m for m in model.modules() if state_of(m).fitted is not None]
+    assert [list(state_of(m).exact_heads) for m in modules] == worst
     batch = _batch(4)
     errors = layer_errors(model, [batch], activations="converted")
     for entry, heads in zip(errors, worst, strict=True):
@@ -599,13 +596,11 @@ def test_exact_heads_are_the_worst_fitted_and_survive_saving(tmp_path) -> None: 
         tmp_path / "legacy.safetensors", [fm for fm, _ in layers],
         model_fingerprint=model_fingerprint(model), options=options,
     )  # fmt: skip
-    fresh_modules = [
-        m for m in load_fitted(_llama(), legacy).modules() if EXACT_HEADS in m.__dict__
-    ]
-    assert [list(m.__dict__[EXACT_HEADS]) for m in fresh_modules] == worst
+    fresh_modules = [m for m in load_fitted(_llama(), legacy).modules() if state_of(m).exact_heads]
+    assert [list(state_of(m).exact_heads) for m in fresh_modules] == worst
     fresh = load_fitted(_llama(), path)
-    fresh_modules = [m for m in fresh.modules() if "_linattn_fitted" in m.__dict__]
-    assert [list(m.__dict__[EXACT_HEADS]) for m in fresh_modules] == worst
+    fresh_modules = [m for m in fresh.modules() if state_of(m).fitted is not None]
+    assert [list(state_of(m).exact_heads) for m in fresh_modules] == worst
     assert torch.equal(_output(fresh, batch), _output(model, batch))
     model.save_pretrained(tmp_path / "model")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -620,16 +615,14 @@ def test_a_model_with_exact_heads_decodes_with_the_cache(name: str) -> None:
     read: prompt, single tokens and a two-token step give the logits of recomputing the
     whole prefix (left padding in one row; llama's exact heads 1 and 2 read key heads 0
     and 1)."""
-    from linattn.integrations.transformers_convert import EXACT_HEADS
-
     model = MODELS[name]()
     convert(
         model, [_batch(1)], [_batch(3)], window=WINDOW, sink_keys=SINKS, num_features=8,
         steps=2, exact_heads=1, progress=lambda line: None,
     )  # fmt: skip
     heads = (1, 2) if name == "llama" else None
-    for module in (m for m in model.modules() if heads and EXACT_HEADS in m.__dict__):
-        module.__dict__[EXACT_HEADS] = heads
+    for module in (m for m in model.modules() if heads and state_of(m).exact_heads):
+        update(module, exact_heads=heads)
     ids = _batch(8)["input_ids"][:, :13]
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
@@ -647,8 +640,8 @@ def test_a_model_with_exact_heads_decodes_with_the_cache(name: str) -> None:
     assert all(e is not None and e.keys.shape[-2] == 13 for e in kept)
     assert [len(e.key_heads) for e in kept] == [2 if heads else 1] * len(kept)
     if heads:  # the cache's heads are the model's: other heads mid-way are refused
-        for module in (m for m in model.modules() if EXACT_HEADS in m.__dict__):
-            module.__dict__[EXACT_HEADS] = (0,)
+        for module in (m for m in model.modules() if state_of(m).exact_heads):
+            update(module, exact_heads=(0,))
         with pytest.raises(ValueError, match=r"kept key heads \(0, 1\).*read \(0,\)"):
             model(ids[:, 12:], attention_mask=mask, past_key_values=cache, use_cache=True)
 
@@ -661,4 +654,32 @@ def test_bad_exact_heads_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"from 0 to the number of query heads \(2\); got 3"):
         convert(model, [_batch(1)], [_batch(2)], window=WINDOW, exact_heads=3, steps=1)
     assert model.config._attn_implementation != "linattn"
-    assert not any("_linattn_exact_heads" in m.__dict__ for m in model.modules())
+    assert not any(state_of(m).exact_heads for m in model.modules())
+
+
+# -- the modules before the package ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("old", ["transformers_convert", "transformers_refine"])
+def test_the_old_modules_warn_and_give_the_packages_objects(old: str) -> None:
+    """``linattn.integrations.transformers_convert`` / ``_refine`` (one more release): each
+    name read there warns, naming the package, and is the package's own object."""
+    import linattn.integrations.transformers as package
+
+    module = importlib.import_module(f"linattn.integrations.{old}")
+    assert module.__all__ and set(module.__all__) <= set(package.__all__)
+    for name in module.__all__:
+        with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated: import {name} from"):
+            assert getattr(module, name) is getattr(package, name)
+    name = module.__all__[0]
+    namespace: dict = {}
+    with pytest.warns(DeprecationWarning, match=r"from linattn\.integrations\.transformers$"):
+        exec(f"from linattn.integrations.{old} import {name}", namespace)
+    assert namespace[name] is getattr(package, name)
+    if old == "transformers_convert":  # the helpers tests and benchmarks used
+        from linattn.integrations.transformers import capture
+
+        with pytest.warns(DeprecationWarning, match=r"import hooked from .*\.capture$"):
+            assert module.hooked is capture.hooked
+        with pytest.raises(AttributeError, match=r"state_of\(module\)"):
+            module.FITTED  # noqa: B018

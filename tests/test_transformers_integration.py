@@ -17,6 +17,7 @@ from linattn.integrations.transformers import (  # noqa: E402
     key_mask_from,
     register,
     special_keys,
+    state_of,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -119,7 +120,7 @@ def _reference(options: dict, exact: np.ndarray):  # type: ignore[no-untyped-def
             scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, -torch.inf)
             out = scores.softmax(-1) @ v
         else:
-            feature_map = module.__dict__["_linattn_feature_map"][1]
+            feature_map = state_of(module).drawn
             out = la.linear_attention(
                 q, k, v, feature_map, key_mask=key_mask, window=options["window"],
                 sink_keys=options["sink_keys"], exact_key_mask=exact_mask,
@@ -228,7 +229,7 @@ def test_config_options_override_register() -> None:
     model = _bert()
     model.config.linattn = {"num_features": 32, "seed": 4}
     _outputs(model, "linattn", 256)
-    fm = model.encoder.layer[0].attention.self._linattn_feature_map[1]
+    fm = state_of(model.encoder.layer[0].attention.self).drawn
     assert fm.num_features == 32
 
 

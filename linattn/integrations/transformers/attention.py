@@ -1,86 +1,41 @@
-"""Hugging Face transformers: ``attn_implementation="linattn"`` and a decoding cache.
+"""The attention function transformers calls for ``attn_implementation="linattn"``.
 
 :func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface``.
 It borrows SDPA's mask function, so the attention receives a boolean 4-D mask (or None
-for a plain causal one), accepted when it is padding, optionally causal, only.  Every
-option of :func:`linattn.linear_attention` is reachable: random features, no feature map
-(``num_features=None``: exact window and sinks), the window/sink hybrid, and exact keys
-derived per row from the mask (``exact_keys="special"``: ``[CLS]`` and ``[SEP]``).
-:class:`LinearAttentionCache` holds one
-:class:`linattn.LinearAttentionState` per layer and passes only the new tokens on.
-:func:`convert` fits a model's attention (fitted feature maps, weights frozen);
-:func:`refine` fits the converted layers' maps together, end to end
-(:mod:`linattn.integrations.transformers_refine`); :func:`save_fitted` and
-:func:`load_fitted` keep the maps in a file, :func:`layer_errors` measures them
-(:mod:`linattn.integrations.transformers_convert`).  Importing this module makes
-``attn_implementation="linattn"`` available with the default options.
+for a plain causal one), accepted when it is padding, optionally causal, only
+(:func:`key_mask_from`).  Exact keys are derived per row from the mask
+(:func:`special_keys`, or the user's rule); the map is the module's fitted one, else a
+random one drawn on its first call, both kept in the module's record
+(:mod:`linattn.integrations.transformers.state`).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from linattn._gqa import grouped
 from linattn._xp import namespace_of, require, untraced
-from linattn.attention import linear_attention
-from linattn.features import KINDS, SOFTMAX_KINDS, FeatureMap
-from linattn.hybrid.build import check_exact_parts
-from linattn.integrations.transformers_convert import (
-    EXACT_HEADS,
-    FITTED,
-    AttentionCall,
-    capture_hook,
-    convert,
-    layer_errors,
-    load_fitted,
-    map_from_file,
-    save_fitted,
-    splice_exact_heads,
-)
-from linattn.integrations.transformers_refine import refine
-from linattn.state import LinearAttentionState
+from linattn.attention import linear_attention, with_exact_heads
+from linattn.features import SOFTMAX_KINDS, FeatureMap
+from linattn.integrations.transformers.cache import take_layer
+from linattn.integrations.transformers.capture import AttentionCall, capture_hook
+from linattn.integrations.transformers.files import map_from_file
+from linattn.integrations.transformers.options import NAME, options_for, set_options
+from linattn.integrations.transformers.state import state_of, update
 
 __all__ = [
-    "DEFAULTS",
-    "NAME",
-    "LinearAttentionCache",
     "attention_forward",
-    "check_options",
-    "convert",
-    "layer_errors",
-    "load_fitted",
-    "refine",
+    "key_mask_from",
+    "make_available",
     "register",
-    "save_fitted",
     "special_keys",
+    "splice_exact_heads",
 ]
-
-NAME = "linattn"
-#: The options and their defaults; :func:`register` sets them for every model, a model's
-#: ``config.linattn`` (a dict) overrides them per model.
-DEFAULTS: dict[str, Any] = {
-    "num_features": 256,
-    "kind": None,
-    "seed": 0,
-    "window": None,
-    "sink_keys": 0,
-    "exact_keys": None,
-}
-_options: dict[str, Any] = dict(DEFAULTS)
-#: The cache layer the current thread's attention call belongs to (set by its update).
-_active = threading.local()
-
-ExactKeys = Callable[[torch.Tensor], torch.Tensor]
 
 
 def register(**options: Any) -> None:
@@ -109,7 +64,8 @@ def register(**options: Any) -> None:
     TypeError
         An unknown option.
     ValueError
-        An option's value (see :func:`check_options`).
+        An option's value (see
+        :func:`linattn.integrations.transformers.options.check_options`).
 
     Examples
     --------
@@ -124,98 +80,17 @@ def register(**options: Any) -> None:
 
     >>> register(num_features=None, window=64, sink_keys=1, exact_keys="special")
     """
-    settings = check_options({**DEFAULTS, **options}, "register", given=options)
-    _options.clear()
-    _options.update(settings)
-    _register()
+    set_options(**options)
+    make_available()
 
 
-def _register() -> None:
+def make_available() -> None:
+    """Register :func:`attention_forward` as ``attn_implementation="linattn"`` (with
+    SDPA's mask function), leaving the options as they are: done on import."""
     AttentionInterface.register(NAME, attention_forward)
     # Without a mask function of its own an implementation gets no mask at all; SDPA's
     # boolean 4-D masks (None where causality alone says it all) are converted below.
     AttentionMaskInterface.register(NAME, sdpa_mask)
-
-
-def check_options(
-    settings: Mapping[str, Any], where: str, *, given: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """``settings`` (every option), checked; errors name ``where`` they came from.
-
-    Parameters
-    ----------
-    settings : mapping
-        Every option of :data:`DEFAULTS`, with its value.
-    where : str
-        ``"register"`` or ``"config.linattn"``, for the messages.
-    given : mapping, optional
-        The options the user gave (default ``settings``): only their names are checked
-        against the known ones.
-
-    Returns
-    -------
-    dict
-        ``settings`` as a new dict.
-
-    Raises
-    ------
-    TypeError
-        An unknown option, or ``exact_keys`` neither None, ``"special"`` nor callable.
-    ValueError
-        ``num_features`` neither a positive integer nor None; ``num_features=None``
-        without ``window``, ``sink_keys`` or ``exact_keys`` (nothing left to attend), or
-        with ``kind``; an unknown ``kind``; ``window`` or ``sink_keys`` that
-        ``linattn.linear_attention`` refuses.
-
-    Examples
-    --------
-    >>> from linattn.integrations.transformers import DEFAULTS, check_options
-    >>> check_options({**DEFAULTS, "num_features": None}, "register")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: register: num_features=None (no feature map) needs window, sink_keys or ...
-    >>> check_options({**DEFAULTS, "num_features": None, "window": 64}, "register")["window"]
-    64
-    """
-    unknown = set(settings if given is None else given) - set(DEFAULTS)
-    if unknown:
-        raise TypeError(f"{where} takes {', '.join(DEFAULTS)}; got {sorted(unknown)}")
-    settings = dict(settings)
-    features, kind, exact_keys = settings["num_features"], settings["kind"], settings["exact_keys"]
-    if features is not None and (
-        isinstance(features, bool) or not isinstance(features, int | np.integer) or features < 1
-    ):
-        raise ValueError(
-            f"{where}: num_features must be a positive integer, or None for no feature map "
-            f"(exact window, sinks and exact keys only); got {features!r}"
-        )
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"{where}: kind must be None or one of {sorted(KINDS)}; got {kind!r}")
-    if not (exact_keys is None or exact_keys == "special" or callable(exact_keys)):
-        raise TypeError(
-            f"{where}: exact_keys must be None, 'special' (each row's first and last real "
-            f"token: [CLS] and [SEP]) or a callable (B, L_k) key mask -> (B, L_k) boolean "
-            f"tensor; got {exact_keys!r}"
-        )
-    try:  # the front door's own check of the hybrid's options, on no keys
-        check_exact_parts(
-            settings["window"], settings["sink_keys"], None, xp=np, causal=False,
-            state=None, query_length=0, key_length=0, k=np.empty((0, 1)),
-        )  # fmt: skip
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
-    if features is None:
-        if settings["window"] is None and not settings["sink_keys"] and exact_keys is None:
-            raise ValueError(
-                f"{where}: num_features=None (no feature map) needs window, sink_keys or "
-                "exact_keys (the keys attended exactly); got none of them"
-            )
-        if kind is not None:
-            raise ValueError(
-                f"{where}: kind={kind!r} is a feature map's, and num_features=None asks for "
-                "none; give num_features, or leave kind out"
-            )
-    return settings
 
 
 def attention_forward(
@@ -238,10 +113,9 @@ def attention_forward(
         )
     if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         raise ValueError("linattn cannot apply position biases or softcapping; got one")
-    settings = _settings(module)
+    settings = options_for(module)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    layer = getattr(_active, "layer", None)
-    _active.layer = None
+    layer = take_layer()
     if layer is None and causal and key.shape[-2] > query.shape[-2]:
         raise ValueError(
             "past_key_values must be a linattn.integrations.transformers.LinearAttentionCache "
@@ -289,7 +163,7 @@ def attention_forward(
                 q, k, v, feature_map, causal=causal, key_mask=grouped_mask, **options
             )
         out = ungroup(out)
-        heads = module.__dict__.get(EXACT_HEADS)
+        heads = state_of(module).exact_heads
         if layer is not None and heads:
             out = layer.exact_heads(out, query, key, value, key_mask, scaling, heads)
         else:
@@ -397,129 +271,27 @@ def key_mask_from(
     raise ValueError(_PATTERN)
 
 
-class _ExactKeys(NamedTuple):
-    """The keys and values so far of the key heads that a layer's exact heads read."""
-
-    key_heads: tuple[int, ...]  # key heads kept, ascending
-    keys: torch.Tensor  # (B, len(key_heads), L, d)
-    values: torch.Tensor  # (B, len(key_heads), L, d_v)
-    key_mask: torch.Tensor  # (B, L) True = a real key
-
-
-class _StateLayer(DynamicLayer):
-    """One layer of :class:`LinearAttentionCache`: a state, the count of tokens, and for
-    a layer with exact heads the keys and values those heads read."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.state: LinearAttentionState | None = None
-        self.seen = 0
-        self.exact: _ExactKeys | None = None
-
-    def exact_heads(
-        self,
-        out: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        scaling: float | None,
-        heads: tuple[int, ...],
-    ) -> torch.Tensor:
-        """``out`` ``(B, H, L_q, d_v)`` with ``heads`` attending exactly, causally, to
-        every real key so far: the new ``key``/``value`` (``(B, H_kv, L_q, .)``) join
-        the kept ones of the key heads they read (query head ``h`` reads key head ``h //
-        (H / H_kv)``), a KV cache of those heads only; a row without keys gets zeros."""
-        group = query.shape[-3] // key.shape[-3]
-        key_heads = tuple(sorted({h // group for h in heads}))
-        batch, length = key.shape[0], key.shape[-2]
-        mask = (
-            torch.ones(batch, length, dtype=torch.bool, device=key.device)
-            if key_mask is None
-            else key_mask.expand(batch, 1, length)[:, 0]
-        )
-        new = _ExactKeys(key_heads, key[:, key_heads], value[:, key_heads], mask)
-        if self.exact is not None:
-            if self.exact.key_heads != key_heads:
-                raise ValueError(
-                    f"this cache layer kept key heads {self.exact.key_heads} for exact heads; "
-                    f"got a call whose exact heads read {key_heads} (one cache per model)"
-                )
-            new = _ExactKeys(
-                key_heads,
-                torch.cat([self.exact.keys, new.keys], dim=-2),
-                torch.cat([self.exact.values, new.values], dim=-2),
-                torch.cat([self.exact.key_mask, mask], dim=-1),
-            )
-        self.exact = new
-        dtype = torch.promote_types(query.dtype, torch.float32)
-        rows = [key_heads.index(h // group) for h in heads]
-        q = query[:, list(heads)].to(dtype)
-        k, v = new.keys[:, rows].to(dtype), new.values[:, rows].to(dtype)
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        total, count = k.shape[-2], q.shape[-2]
-        below = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
-        allowed = new.key_mask[:, None, None, :] & below  # (B, 1, L_q, L_k)
-        logits = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
-        weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows without keys: 0
-        spliced = out.clone()
-        spliced[:, list(heads)] = (weights @ v).to(out.dtype)
-        return spliced
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.seen += int(key_states.shape[-2])
-        _active.layer = self  # the attention call that follows continues this state
-        return key_states, value_states  # only the new tokens
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def reset(self) -> None:
-        self.state, self.seen, self.exact = None, 0, None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("LinearAttentionCache does not support beam search")
-
-
-class LinearAttentionCache(Cache):
-    """A transformers cache of one :class:`linattn.LinearAttentionState` per layer.
-
-    Memory is ``num_features x (d + 1)`` per head and layer, whatever the length; each
-    step's attention sees only the new tokens and continues the state.  A layer with
-    exact heads (``convert(..., exact_heads=)``) also keeps the keys and values of the
-    key heads those read, which grow with the length: they attend to every real key so
-    far, as without the cache.
-
-    Examples
-    --------
-    >>> from linattn.integrations.transformers import LinearAttentionCache
-    >>> cache = LinearAttentionCache()
-    >>> cache.get_seq_length()
-    0
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(layer_class_to_replicate=_StateLayer)
-
-
-def _settings(module: torch.nn.Module) -> dict[str, Any]:
-    """The options for ``module``'s model: :func:`register`'s, then ``config.linattn``'s."""
-    config = getattr(module, "config", None)
-    overrides = dict(getattr(config, "linattn", None) or {})
-    if not overrides:
-        return _options
-    path = overrides.pop("fitted", None)  # the fitted maps' file (see save_fitted)
-    if path is not None and not isinstance(path, str | os.PathLike):
-        raise TypeError(
-            f"config.linattn: fitted must be the path of a fitted-maps file; got {path!r}"
-        )
-    settings = check_options({**_options, **overrides}, "config.linattn", given=overrides)
-    settings["fitted"] = path
-    return settings
+def splice_exact_heads(
+    module: torch.nn.Module,
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    scaling: float | None,
+) -> torch.Tensor:
+    """``out`` ``(B, H, L_q, d_v)`` with ``module``'s exact heads (its record's)
+    replaced by softmax attention over every real key (:func:`linattn.with_exact_heads`:
+    those heads only, query head ``h`` reading key head ``h // (H / H_kv)``, zeros for
+    rows without a key)."""
+    heads = state_of(module).exact_heads
+    if not heads:
+        return out
+    spliced: torch.Tensor = with_exact_heads(
+        out, query, key, value, heads, causal=causal, key_mask=key_mask, scale=scaling
+    )
+    return spliced
 
 
 def _exact_keys(
@@ -574,15 +346,16 @@ def _feature_map(
 ) -> FeatureMap | None:
     """One map per layer, kept on the module (the same projection every call).
 
-    A fitted map (:func:`convert`, :func:`load_fitted`, or the file
+    A fitted map (:func:`~linattn.integrations.transformers.convert`,
+    :func:`~linattn.integrations.transformers.load_fitted`, or the file
     ``config.linattn["fitted"]`` names, read on the module's first call) comes first.
     A map is read or drawn on the module's first call only, outside ``torch.compile``'s
     graph (a model compiled before any eager call keeps a graph break there).
     """
-    fitted: FeatureMap | None = module.__dict__.get(FITTED)
+    fitted = state_of(module).fitted
     if fitted is None and settings.get("fitted") is not None:
         untraced(map_from_file, module, settings["fitted"], settings)  # keeps it on module
-        fitted = module.__dict__[FITTED]  # (read back: a value torch.compile can guard)
+        fitted = state_of(module).fitted  # (read back: a value torch.compile can guard)
     if fitted is not None:
         expected = head_dim**-0.5 if scaling is None else scaling
         if fitted.head_dim != head_dim or not math.isclose(fitted.scale, expected, rel_tol=1e-6):
@@ -598,12 +371,12 @@ def _feature_map(
         head_dim, scaling, causal,
         tuple(settings[name] for name in ("num_features", "kind", "seed")),
     )  # fmt: skip
-    cached = module.__dict__.get("_linattn_feature_map")
-    if cached is not None and cached[0] == key:
-        kept: FeatureMap = cached[1]
-        return kept
+    state = state_of(module)
+    if state.drawn is not None and state.drawn_for == key:
+        return state.drawn
     untraced(_draw, module, key, settings, head_dim, scaling, causal)
-    drawn: FeatureMap = module.__dict__["_linattn_feature_map"][1]  # (read back, as above)
+    drawn = state_of(module).drawn  # (read back, as above)
+    assert drawn is not None
     return drawn
 
 
@@ -625,38 +398,29 @@ def _draw(
         seed=settings["seed"] + _layer_index(module),  # each layer its own draw
         rebalance=not causal and kind in SOFTMAX_KINDS,  # per-call statistics: encoders only
     )
-    module.__dict__["_linattn_feature_map"] = (key, feature_map)
+    update(module, drawn=feature_map, drawn_for=key)
     return feature_map
-
-
-#: Where an attention module keeps its map grouped for grouped-query heads.
-GROUPED = "_linattn_grouped_map"
 
 
 def _grouped_map(module: torch.nn.Module, feature_map: FeatureMap, group: int) -> FeatureMap:
     """``feature_map.grouped(group)`` (grouped-query heads), kept on the module: the
     host arrays are made on the module's first call only, outside ``torch.compile``'s
     graph (a model compiled before any eager call keeps a graph break there)."""
-    cached = module.__dict__.get(GROUPED)
-    if cached is not None and cached[0] is feature_map and cached[1] == group:
-        kept: FeatureMap = cached[2]
-        return kept
-    untraced(_group_and_keep, module, feature_map, group)
-    grouped_map: FeatureMap = module.__dict__[GROUPED][2]  # (read back, as in _feature_map)
-    return grouped_map
+    state = state_of(module)
+    made = state.grouped_from  # (its map compared by identity: maps hold arrays)
+    if made is None or made[0] is not feature_map or made[1] != group:
+        untraced(_group_and_keep, module, feature_map, group)
+        state = state_of(module)  # (read back, as in _feature_map)
+    assert state.grouped is not None
+    return state.grouped
 
 
 def _group_and_keep(module: torch.nn.Module, feature_map: FeatureMap, group: int) -> FeatureMap:
     grouped_map = feature_map.grouped(group)
-    module.__dict__[GROUPED] = (feature_map, group, grouped_map)
+    update(module, grouped=grouped_map, grouped_from=(feature_map, group))
     return grouped_map
 
 
 def _layer_index(module: torch.nn.Module) -> int:
     index = getattr(module, "layer_idx", None)
     return index if isinstance(index, int) else 0
-
-
-# Available from import on (with the default options: register() sets them), so that a
-# model loaded with attn_implementation="linattn", or converted, needs no register().
-_register()

@@ -1,0 +1,221 @@
+"""Fitted maps in a file: a model's fingerprint, :func:`save_fitted`, :func:`load_fitted`,
+and :func:`map_from_file`, which the integration's attention calls for a module whose
+model names a file (``config.linattn["fitted"]``) on the module's first call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from linattn.features import FeatureMap
+from linattn.integrations.transformers.options import Model, use_linattn
+from linattn.integrations.transformers.state import state_of, update
+from linattn.transfer import EXACT_HEADS_ENTRY, exact_heads_of, load_maps, save_maps
+
+__all__ = [
+    "file_exact_heads",
+    "load_fitted",
+    "map_from_file",
+    "model_fingerprint",
+    "module_fingerprint",
+    "save_fitted",
+]
+
+#: The options of ``config.linattn`` a conversion sets.
+_OPTIONS = ("num_features", "window", "sink_keys", "exact_keys")
+#: Configuration entries that say nothing about the model's computation (names, versions,
+#: run-time switches, what a save or this integration adds): left out of the fingerprint.
+_NOT_THE_MODEL = {
+    "_name_or_path", "_commit_hash", "architectures", "transformers_version", "linattn",
+    "attn_implementation", "_attn_implementation_autoset", "dtype", "torch_dtype",
+    "output_attentions", "output_hidden_states", "return_dict", "use_cache",
+}  # fmt: skip
+
+
+def _tensor_digest(digest: Any, state: Mapping[str, torch.Tensor]) -> None:
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def model_fingerprint(model: Model) -> str:
+    """SHA-256 (16 hex digits) of the model's configuration and every weight.
+
+    The configuration is its JSON less what does not change the computation (names,
+    versions, ``config.linattn``, the attention implementation, output switches).
+    """
+    config = {
+        name: value
+        for name, value in model.config.to_dict().items()
+        if name not in _NOT_THE_MODEL and not name.startswith("_")
+    }
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=repr).encode())
+    _tensor_digest(digest, model.state_dict())
+    return digest.hexdigest()[:16]
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """SHA-256 (16 hex digits) of one attention module's own weights (its projections)."""
+    digest = hashlib.sha256(type(module).__name__.encode())
+    _tensor_digest(digest, module.state_dict())
+    return digest.hexdigest()[:16]
+
+
+def save_fitted(model: Model, path: str | Path) -> Path:
+    """Write ``model``'s fitted maps to one safetensors file.
+
+    :func:`linattn.transfer.save_maps` with the model's fingerprint
+    (:func:`model_fingerprint`) and the options (``config.linattn``'s, each map's module
+    name and weights' fingerprint).  ``config.linattn["fitted"]`` becomes ``str(path)``,
+    so a model saved with ``save_pretrained`` afterwards finds the file when loaded.
+
+    Raises
+    ------
+    ValueError
+        The model holds no fitted maps (convert it, or load them, first).
+    """
+    entries = [(name, m) for name, m in model.named_modules() if state_of(m).fitted is not None]
+    if not entries:
+        raise ValueError("model has no fitted maps: convert(...) it or load_fitted(...) first")
+    settings = dict(getattr(model.config, "linattn", None) or {})
+    rule = settings.get("exact_keys")
+    options: dict[str, Any] = {name: settings.get(name) for name in _OPTIONS}
+    options["exact_keys"] = "callable" if callable(rule) else rule
+    options["modules"] = [{"name": n, "fingerprint": module_fingerprint(m)} for n, m in entries]
+    options[EXACT_HEADS_ENTRY] = [list(state_of(m).exact_heads) for _, m in entries]
+    options["conversion"] = model.__dict__.get("_linattn_conversion")
+    written = save_maps(
+        path,
+        [state_of(m).fitted for _, m in entries],
+        model_fingerprint=model_fingerprint(model),
+        options=options,
+    )
+    model.config.linattn = {**settings, "fitted": str(path)}
+    return written
+
+
+def _settings_of(options: Mapping[str, Any], exact_keys: Any, path: str | Path) -> dict[str, Any]:
+    settings = {name: options.get(name) for name in _OPTIONS}
+    if options.get("exact_keys") == "callable":
+        if not callable(exact_keys):
+            raise ValueError(
+                f"{path} was fitted with a callable exact_keys rule: pass the same rule as "
+                "load_fitted(..., exact_keys=rule)"
+            )
+        settings["exact_keys"] = exact_keys
+    elif exact_keys is not None:
+        raise ValueError(
+            f"exact_keys is only for a file fitted with a callable rule; {path} was fitted "
+            f"with exact_keys={options.get('exact_keys')!r}"
+        )
+    return settings
+
+
+def load_fitted(
+    model: Model,
+    path: str | Path,
+    *,
+    exact_keys: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Model:
+    """Put the maps of ``path`` (from :func:`save_fitted`) on ``model``'s attention.
+
+    Sets ``config.linattn`` to the options they were fitted with (``"fitted"``:
+    ``str(path)``) and switches the model to ``attn_implementation="linattn"``.  No refit.
+
+    Parameters
+    ----------
+    exact_keys : callable, optional
+        The rule, when the maps were fitted with a callable ``exact_keys`` (a file
+        cannot hold it).
+
+    Raises
+    ------
+    ValueError
+        ``path`` is not a fitted-maps file, was fitted for another model (the message
+        gives both fingerprints) or written by another linattn version.
+    """
+    layers, options = load_maps(path, model_fingerprint=model_fingerprint(model))
+    settings = _settings_of(options, exact_keys, path)
+    modules = [model.get_submodule(entry["name"]) for entry in options["modules"]]
+    heads = file_exact_heads(options)
+    for module, module_heads, (fm, _) in zip(modules, heads, layers, strict=True):
+        fitted = {} if fm is None else {"fitted": fm}
+        update(module, exact_heads=tuple(module_heads), **fitted)
+    model.config.linattn = {**settings, "fitted": str(path)}
+    use_linattn(model)
+    return model
+
+
+def file_exact_heads(options: Mapping[str, Any]) -> list[tuple[int, ...]]:
+    """Each module's exact heads from a file's options (files written before
+    :data:`EXACT_HEADS_ENTRY` kept them in the modules' entries)."""
+    entries = options.get("modules", [])
+    if EXACT_HEADS_ENTRY not in options:
+        return [tuple(int(h) for h in entry.get("exact_heads", ())) for entry in entries]
+    return exact_heads_of(options, len(entries))
+
+
+_files: dict[str, tuple[float, dict[str, Any], dict[str, Any]]] = {}
+_files_lock = threading.Lock()
+
+
+def map_from_file(
+    module: torch.nn.Module, path: str | Path, settings: Mapping[str, Any]
+) -> FeatureMap:
+    """``module``'s map from the file ``config.linattn["fitted"]`` names; kept on it
+    (with its exact heads).
+
+    The integration's first call of a module without a map comes here.  The module is
+    found in the file by its own weights' fingerprint (a module knows nothing of its
+    model); the file's options must be the ones the model runs with.
+    """
+    key = str(Path(path).resolve())
+    with _files_lock:
+        modified = Path(key).stat().st_mtime if Path(key).exists() else -1.0
+        cached = _files.get(key)
+        if cached is None or cached[0] != modified:
+            layers, options = load_maps(path, model_fingerprint=None)
+            entries = options.get("modules", [])
+            table = {
+                entry["fingerprint"]: (fm, heads)
+                for entry, heads, (fm, _) in zip(
+                    entries, file_exact_heads(options), layers, strict=False
+                )
+                if fm is not None
+            }
+            cached = _files[key] = (modified, table, options)
+    _, table, options = cached
+    fingerprint = module_fingerprint(module)
+    found = table.get(fingerprint)
+    if found is None:
+        raise ValueError(
+            f"config.linattn['fitted'] = {str(path)!r} holds no map for this model's "
+            f"{type(module).__name__} (weights fingerprint {fingerprint}): the file was fitted "
+            "for another model"
+        )
+    for name in ("window", "sink_keys"):
+        if options.get(name) != settings.get(name):
+            raise ValueError(
+                f"{path} was fitted with {name}={options.get(name)!r}; config.linattn has "
+                f"{name}={settings.get(name)!r}"
+            )
+    fitted_rule = options.get("exact_keys")
+    rule = settings.get("exact_keys")
+    if (fitted_rule == "callable") != callable(rule) or (
+        not callable(rule) and fitted_rule != rule
+    ):
+        raise ValueError(
+            f"{path} was fitted with exact_keys={fitted_rule!r}; config.linattn has "
+            f"exact_keys={rule!r}"
+        )
+    fm, heads = found
+    update(module, fitted=fm, exact_heads=tuple(heads))
+    return fm
