@@ -42,6 +42,7 @@ __all__ = [
     "EXECUTORS",
     "AttentionPlan",
     "backward_of",
+    "chosen",
     "execute",
     "executor_named",
     "plan_attention",
@@ -131,32 +132,45 @@ def _scan_plan(call: Call) -> _dispatch.Plan:
 _DECODE_SCAN = _dispatch.Plan("numba-cpu", "the decoding kernel", fused=True)
 
 
-def plan_call(call: Call, *, explain: bool = True) -> AttentionPlan:
-    """The executor that runs ``call``, with its reason and every earlier one's reasons.
-
-    ``explain=False`` (a call about to run, whose plan no one reads) leaves out the
-    executors whose declarations the call falls outside, and their words: ``rejected``
-    holds only those refused by their own further reasons.  The choice is the same.
-    """
+def plan_call(call: Call) -> AttentionPlan:
+    """The executor that runs ``call``, with its reason and every earlier one's reasons."""
     rejected: list[tuple[str, str]] = []
+    executor, scan = _choose(call, rejected)
+    return AttentionPlan(executor.name, executor.summary, tuple(rejected), scan)
+
+
+def _choose(
+    call: Call, rejected: list[tuple[str, str]] | None = None
+) -> tuple[Executor, _dispatch.Plan]:
+    """The first executor that serves ``call``, and the scan plan; each one asked before
+    it goes to ``rejected`` with its reasons.  Without ``rejected`` (a call about to run,
+    whose plan no one reads) the executors whose declarations the call falls outside are
+    passed over without their words: the choice is the same."""
     scan = _DECODE_SCAN
     facts = Facts.of(call)
     for executor in EXECUTORS:
         if executor not in _NO_SCAN and scan is _DECODE_SCAN:
             scan = _scan_plan(call)
-        if not explain and not executor.takes.admits(facts):
+        if rejected is None and not executor.takes.admits(facts):
             continue
         reasons = executor.why_not(call, scan, facts)
         if not reasons:
-            return AttentionPlan(executor.name, executor.summary, tuple(rejected), scan)
-        rejected.append((executor.name, "; ".join(reasons)))
+            return executor, scan
+        if rejected is not None:
+            rejected.append((executor.name, "; ".join(reasons)))
     raise AssertionError("the portable executor serves every call")  # pragma: no cover
 
 
-def backward_of(plan: AttentionPlan, call: Call) -> Backward | None:
-    """The backward of the executor ``plan`` names, for ``call``, or ``None`` where it has
-    none (the portable adjoint runs): :func:`linattn.linear_attention_vjp` asks here."""
-    return executor_named(plan.executor).backward(call)
+def chosen(call: Call) -> tuple[Executor, _dispatch.Plan]:
+    """The executor that runs ``call`` and the scan plan, without the words of a plan
+    (:func:`plan_call` explains): what runs a call, and what its VJP asks."""
+    return _choose(call)
+
+
+def backward_of(executor: Executor, call: Call) -> Backward | None:
+    """``executor``'s own backward for ``call``, or ``None`` where it has none (the
+    portable adjoint runs): :func:`linattn.linear_attention_vjp` asks here."""
+    return executor.backward(call)
 
 
 def execute(call: Call) -> Any:
@@ -170,8 +184,8 @@ def execute(call: Call) -> Any:
 def run_call(call: Call) -> Result:
     """A call's output and state through the plan (also a Dask chunk's, a torch
     operator's NumPy call)."""
-    plan = plan_call(call, explain=False)
-    return executor_named(plan.executor).run(call, plan.scan, run_call)
+    executor, scan = _choose(call)
+    return executor.run(call, scan, run_call)
 
 
 sub_calls.set_runner(run_call)  # (for the torch operators, which run outside a call)

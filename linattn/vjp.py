@@ -32,7 +32,7 @@ from linattn._call import (
 from linattn._checks import check_attention_inputs, check_chunk_size
 from linattn._dispatch import Backend
 from linattn._gqa import group_mask
-from linattn._plan import backward_of, plan_call
+from linattn._plan import backward_of, chosen
 from linattn._xp import Array, compute_dtype, float_dtype, namespace_of
 from linattn.features import FeatureMap
 from linattn.fitted import add_cotangents
@@ -233,8 +233,7 @@ def _vjp(
     )
     # The executor linear_attention would run chooses the adjoint (the plan decides once).
     call = Call(q, k, v, feature_map, causal, key_mask, chunk_size=chunk_size, backend=backend)
-    chosen = plan_call(call, explain=False)
-    plan = chosen.scan
+    executor, plan = chosen(call)
     xp = info.xp
     float_dtype(xp, "grad_output", grad_output)
     batch, lq, dv = info.batch_shape, info.query_length, info.value_dim
@@ -252,7 +251,7 @@ def _vjp(
     statistics = call_statistics(xp, feature_map, q, k, key_mask, causal=causal)
     # The executor's own backward where it has one (the fused passes: no L x m array;
     # they compute random features only, so a fitted map's adjoint runs on log-features).
-    own = backward_of(chosen, call)
+    own = backward_of(executor, call)
     if own is not None:
         dq, dk, d_values = own(
             q, k, v, feature_map, key_mask, xp.astype(grad_output, work, copy=False),
@@ -333,7 +332,7 @@ def _exact_parts_vjp(
             f"feature_map must be a linattn.FeatureMap or None; got {type(feature_map).__name__}"
         )
     # The far keys' scan as linear_attention's plan runs it (the portable parts on Dask).
-    plan = plan_call(Call(q, k, v, feature_map, backend=backend, **options)).scan
+    _, plan = chosen(Call(q, k, v, feature_map, backend=backend, **options))
     return exact_parts_vjp(
         q, k, v, feature_map, grad_output, plan=plan, parameters=parameters, **options
     )
