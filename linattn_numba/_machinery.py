@@ -1,28 +1,30 @@
 """How the CPU kernels are compiled and launched, so that the kernel bodies need not know.
 
-Every ``parallel=True`` kernel is compiled twice (:class:`Variants`): the parallel one
-runs batch x heads on Numba's thread pool, the serial one (``prange`` as ``range``) on
-the calling thread.  :func:`choose_variant` picks per call; the serial variant runs
+Every kernel is compiled once per signature, serial and without the GIL
+(:func:`jit`).  A kernel over batch x heads (:class:`Variants`) runs one of two ways,
+chosen per call by :func:`choose_variant`:
 
-* in a forked child whose parent had started a thread pool that is not fork-safe
-  (GNU OpenMP: the child would be killed, and ``multiprocessing.Pool`` would hang);
-* on a thread other than the main one when the threading layer is not thread-safe
-  (``workqueue``: two concurrent launches abort the interpreter, as under a Dask
-  threaded scheduler or a ``ThreadPoolExecutor``);
-* for small work (a one-token decode step, a few heads), where starting the pool costs
-  more than it saves, and under contention far more (:data:`SERIAL_WORK`).
+* ``"serial"``: on the calling thread;
+* ``"parallel"``: the batch axis cut into :func:`threads` contiguous shares, the calling
+  thread running the first and a pool of Python threads (:data:`POOL_NAME`) the others,
+  each share the same compiled kernel on its slice of the arrays.
 
-This follows numbagg (``numbagg/decorators.py``).
+The parallel form used to be Numba's ``parallel=True`` (``prange``), compiled twice
+(parallel and serial twin) and through the parfor passes: 17.1 s to compile the fused
+causal pass against 11.4 s serial, measured in one run, for a run time within 1 % at 16K
+tokens x 8 heads (docs/performance.md, "Compiling in seconds").  The pool is
+plain Python threads: safe from any thread and in a forked child (which starts a pool of
+its own), where Numba's ``workqueue`` layer aborted and GNU OpenMP killed the child.
+Small work runs serial: a one-token decode step, a few heads, where handing work to
+another thread costs more than it saves, and under contention far more
+(:data:`SERIAL_WORK`).
 
 Every kernel uses Numba's on-disk compile cache, in the directory that
 :mod:`linattn_numba._cache` resolves (on by default; ``LINATTN_NUMBA_CACHE=0`` turns it
-off); a kernel missing from the cache compiles under that directory's lock.  The serial
-twin is cached apart from the parallel kernel: Numba keys a cache entry by function and
-signature, not by ``parallel``, so without a name of its own the twin would load the
-parallel kernel from the cache.  Each compilation (or load from the cache) of a kernel is
-logged at ``DEBUG`` on the ``linattn.numba`` logger, with the extra attributes ``kernel``,
-``variant``, ``dtype``, ``seconds`` and ``source`` (``"compiled"`` or ``"cache"``); the
-first compilation in a process logs a one-line notice at ``WARNING``
+off); a kernel missing from the cache compiles under that directory's lock.  Each
+compilation (or load from the cache) of a kernel is logged at ``DEBUG`` on the
+``linattn.numba`` logger, with the extra attributes ``kernel``, ``dtype``, ``seconds`` and ``source`` (``"compiled"`` or ``"cache"``); the first compilation in a
+process logs a one-line notice at ``WARNING``
 (``logging.getLogger("linattn").setLevel(logging.ERROR)`` silences it).
 
 Examples
@@ -37,12 +39,12 @@ Examples
 
 from __future__ import annotations
 
+import concurrent.futures
+import inspect
 import logging
 import os
-import sys
 import threading
 import time
-import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,7 +54,6 @@ import numba
 from numba import njit
 from numba.core import event as _numba_event
 from numba.core.compiler_lock import global_compiler_lock
-from numba.np.ufunc import parallel as _numba_parallel
 
 from linattn_numba import _cache
 
@@ -60,6 +61,7 @@ __all__ = [
     "CACHE",
     "CACHE_SETTING",
     "CACHE_VARIABLE",
+    "POOL_NAME",
     "SERIAL_WORK",
     "Variants",
     "choose_variant",
@@ -69,7 +71,7 @@ __all__ = [
     "logger",
     "serial_reason",
     "single_threaded_blas",
-    "threading_layer",
+    "threads",
 ]
 
 CACHE_VARIABLE = _cache.VARIABLE
@@ -88,27 +90,45 @@ CACHE = CACHE_SETTING.directory is not None
 #: ``docs/backends.md``.
 SERIAL_WORK = 2**23
 
-_LAYERS = ("tbb", "omp", "workqueue")
-_THREAD_SAFE = {"tbb", "omp"}
-# GNU OpenMP (Linux) is the one that is not fork-safe; elsewhere OpenMP is.
-_FORK_SAFE = {"tbb", "workqueue"} | (set() if sys.platform.startswith("linux") else {"omp"})
-_CATEGORIES = {
-    "default": set(_LAYERS),
-    "safe": {"tbb"},
-    "threadsafe": _THREAD_SAFE,
-    "forksafe": _FORK_SAFE,
-}
+#: The name prefix of the pool's threads (:func:`threads` - 1 of them, started on the
+#: first parallel call; the calling thread runs the first share).
+POOL_NAME = "linattn-kernel"
+# The pool, made on first use; a forked child drops its parent's (whose threads it lacks).
+_POOL: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
 
 
-def jit(parallel: bool = False, fastmath: frozenset[str] = frozenset({"contract"})) -> Any:
+def threads() -> int:
+    """The threads a parallel kernel runs on: ``NUMBA_NUM_THREADS`` (Numba's setting; by
+    default the CPUs this process may use).
+
+    Examples
+    --------
+    >>> threads() >= 1
+    True
+    """
+    return max(1, int(_CONFIG.NUMBA_NUM_THREADS))
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if "pool" not in _POOL:
+            _POOL["pool"] = concurrent.futures.ThreadPoolExecutor(
+                max(1, threads() - 1), thread_name_prefix=POOL_NAME
+            )
+        return _POOL["pool"]
+
+
+os.register_at_fork(after_in_child=_POOL.clear)
+
+
+def jit(fastmath: frozenset[str] = frozenset({"contract"})) -> Any:
     """``numba.njit`` with the kernels' options: no GIL, NumPy's error model, the compile
     cache of :data:`CACHE_SETTING`, and by default only multiply-add fusion as fast-math
     (no flag that assumes finite values)."""
 
     def decorate(func: Callable[..., Any]) -> Any:
-        dispatcher = njit(
-            nogil=True, fastmath=set(fastmath), error_model="numpy", parallel=parallel
-        )(func)
+        dispatcher = njit(nogil=True, fastmath=set(fastmath), error_model="numpy")(func)
         if CACHE_SETTING.directory is not None:
             _cache.attach(dispatcher, CACHE_SETTING.directory)
         _instrument(dispatcher)
@@ -118,37 +138,74 @@ def jit(parallel: bool = False, fastmath: frozenset[str] = frozenset({"contract"
 
 
 class Variants:
-    """A kernel compiled as ``parallel=True`` and as a serial twin; run one by name.
+    """A kernel over batch x heads, compiled once, run serial or parallel by name.
 
-    Each variant compiles on its first call (a call path compiles only the variants it
-    runs).  The twin is a copy of the function named ``<name>_serial``: its own entry in
-    the compile cache.  ``launches`` counts the calls of each variant (for tests and
-    diagnostics).
+    ``func``'s first argument, and every array argument not named in ``shared`` or
+    ``workers``, has the batch axis first: a parallel run hands each thread its slice
+    of them.  ``shared`` arrays (a projection, constants) go whole to every thread;
+    ``workers`` arrays (scratch with one row per worker) give each thread its own row.
+    Scalars go to every thread as they are.  ``launches`` counts
+    the calls of each variant (for tests and diagnostics).
+
+    Examples
+    --------
+    >>> from linattn_numba.cpu import fused_causal
+    >>> kernel = fused_causal._forward_fused  # (its projection and constants are shared)
+    >>> kernel.dispatchers["parallel"] is kernel.dispatchers["serial"]  # one compiled kernel
+    True
     """
 
-    def __init__(self, func: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        shared: tuple[str, ...] = (),
+        workers: tuple[str, ...] = (),
+    ) -> None:
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
-        self.dispatchers = {"parallel": jit(parallel=True)(func), "serial": jit()(_twin(func))}
+        names = list(inspect.signature(func).parameters)
+        unknown = sorted((set(shared) | set(workers)) - set(names))
+        if unknown:
+            raise ValueError(f"{func.__name__} has no arguments {unknown}")
+        self._shared = frozenset(names.index(name) for name in shared)
+        self._workers = frozenset(names.index(name) for name in workers)
+        self.dispatcher = jit()(func)
+        #: (One compiled kernel runs both variants.)
+        self.dispatchers = {"parallel": self.dispatcher, "serial": self.dispatcher}
         self.launches: Counter[str] = Counter()
 
-    def run(self, variant: str, *args: Any) -> Any:
+    @classmethod
+    def over(
+        cls, *, shared: tuple[str, ...] = (), workers: tuple[str, ...] = ()
+    ) -> Callable[[Callable[..., Any]], Variants]:
+        """The decorator of a kernel with ``shared`` and ``workers`` arguments."""
+        return lambda func: cls(func, shared, workers)
+
+    def run(self, variant: str, *args: Any) -> None:
         """Call the ``variant`` (``"parallel"`` or ``"serial"``) on ``args``."""
-        dispatcher = self.dispatchers[variant]
         self.launches[variant] += 1
-        return dispatcher(*args)
+        batch = args[0].shape[0]
+        count = min(batch, threads()) if variant == "parallel" else 1
+        if count <= 1:
+            self.dispatcher(*args)
+            return
+        edges = [batch * i // count for i in range(count + 1)]
+        shares = [self._share(args, i, edges[i], edges[i + 1]) for i in range(count)]
+        pool = _pool()
+        futures = [pool.submit(self.dispatcher, *share) for share in shares[1:]]
+        try:
+            self.dispatcher(*shares[0])
+        finally:
+            for future in futures:
+                future.result()
 
-
-def _twin(func: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``func`` named ``<name>_serial`` (Numba's cache files and index are named
-    by the function's qualified name and line, and not told ``parallel`` apart)."""
-    twin = types.FunctionType(
-        func.__code__, func.__globals__, f"{func.__name__}_serial", func.__defaults__,
-        func.__closure__,
-    )  # fmt: skip
-    twin.__qualname__ = f"{func.__qualname__}_serial"
-    twin.__doc__ = func.__doc__
-    return twin
+    def _share(self, args: tuple[Any, ...], worker: int, start: int, stop: int) -> list[Any]:
+        return [
+            x if i in self._shared or getattr(x, "ndim", 0) == 0
+            else x[worker : worker + 1] if i in self._workers
+            else x[start:stop]
+            for i, x in enumerate(args)
+        ]  # fmt: skip
 
 
 # -- compiling: the lock, the log and the notice -------------------------------------------
@@ -196,16 +253,12 @@ def _log_compilation(dispatcher: Any, sig: Any, before: tuple[int, int], seconds
         return  # (compiled before, in this process)
     func = dispatcher.py_func
     kernel = f"{func.__module__.removeprefix('linattn_numba.')}.{func.__name__}"
-    variant = "parallel" if dispatcher.targetoptions.get("parallel") else "serial"
     types_ = [getattr(arg, "dtype", arg) for arg in getattr(sig, "args", sig)]
     floats = [str(t) for t in types_ if isinstance(t, numba.types.Float)]
     dtype = floats[0] if floats else ""  # (the first float array's or number's)
     logger.debug(
-        "%s %s (%s, %s) in %.2f s", source, kernel, variant, dtype, seconds,
-        extra={
-            "kernel": kernel, "variant": variant, "dtype": dtype, "seconds": seconds,
-            "source": source,
-        },
+        "%s %s (%s) in %.2f s", source, kernel, dtype, seconds,
+        extra={"kernel": kernel, "dtype": dtype, "seconds": seconds, "source": source},
     )  # fmt: skip
 
 
@@ -238,45 +291,14 @@ class _CompileNotice(_numba_event.Listener):
 _numba_event.register("numba:compile", _CompileNotice())
 
 
-def threading_layer() -> str:
-    """Numba's threading layer: the one in use once a parallel kernel ran, else the one
-    Numba will pick (``NUMBA_THREADING_LAYER`` and its priority, libraries probed)."""
-    if _numba_parallel._is_initialized:
-        return str(numba.threading_layer())
-    return _predicted_layer(str(_CONFIG.THREADING_LAYER).lower())
-
-
-def _predicted_layer(requested: str) -> str:
-    if requested in _LAYERS:
-        return requested
-    allowed = _CATEGORIES.get(requested, set(_LAYERS))
-    for layer in _CONFIG.THREADING_LAYER_PRIORITY:
-        if layer in allowed and _importable(layer):
-            return str(layer)
-    return "none"
-
-
-def _importable(layer: str) -> bool:
-    if layer == "workqueue":
-        return True  # (built into Numba)
-    try:  # (importlib.util.find_spec finds the module even where its library is missing)
-        __import__(f"numba.np.ufunc.{layer}pool")
-    except (ImportError, OSError):
-        return False
-    return True
-
-
 def describe() -> str:
-    """The threading layer, what it means for the kernels, and the cache setting (for
-    ``linattn info``)."""
-    layer = threading_layer()
-    started = "in use" if _numba_parallel._is_initialized else "starts on the first parallel call"
-    unsafe = [
-        *([] if layer in _THREAD_SAFE else ["calls from other threads run serial"]),
-        *([] if layer in _FORK_SAFE else ["forked children run serial"]),
-    ]
-    safety = "; ".join(unsafe) if unsafe else "thread- and fork-safe"
-    return f"threading layer {layer} ({started}; {safety}); {describe_cache()}"
+    """The kernels' threads and the cache setting (for ``linattn info``)."""
+    count = threads()
+    return (
+        f"{count} kernel thread{'s' if count != 1 else ''} (batch x heads split over a pool "
+        f"of Python threads; NUMBA_NUM_THREADS sets it; thread- and fork-safe); "
+        f"{describe_cache()}"
+    )
 
 
 def describe_cache() -> str:
@@ -299,35 +321,17 @@ def describe_cache() -> str:
     )
 
 
-# A forked child inherits the parent's thread pool state but not its threads.
-_FORK = {"unsafe": False}
-
-
-def _after_fork_in_child() -> None:
-    if _numba_parallel._is_initialized and threading_layer() not in _FORK_SAFE:
-        _FORK["unsafe"] = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def serial_reason(batch: int, length: int, state_size: int) -> str | None:
     """Why a kernel over ``batch`` heads of ``length`` tokens, each head's state of
     ``state_size = m * (d_v + 1)`` entries, runs serial here and now; ``None`` when it
     runs parallel."""
-    if _FORK["unsafe"]:
-        return f"a forked child of a process using the {threading_layer()} thread pool"
-    if threading.current_thread() is not threading.main_thread():
-        layer = threading_layer()
-        if layer not in _THREAD_SAFE:
-            return f"called from a thread, and the {layer} threading layer is not thread-safe"
     if batch < 2:
         return "one head"
     work = batch * length * state_size
     if work < SERIAL_WORK:
         return f"small work ({work} < SERIAL_WORK = {SERIAL_WORK})"
-    if numba.get_num_threads() < 2:
-        return "one Numba thread"
+    if threads() < 2:
+        return "one kernel thread"
     return None
 
 

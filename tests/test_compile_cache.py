@@ -100,20 +100,6 @@ def test_the_lock_is_held_against_other_processes(tmp_path: Path) -> None:
     assert (held, free) == (3, 0)
 
 
-def test_the_serial_twin_has_its_own_cache_entry() -> None:
-    """Numba keys a cache entry by function and signature, not by ``parallel``: the twin
-    with the parallel kernel's name loaded the parallel kernel from the cache (a forked
-    pool hung, threads on ``workqueue`` aborted)."""
-
-    def kernel(x):  # type: ignore[no-untyped-def]
-        return x
-
-    variants = _machinery.Variants(kernel)
-    parallel, serial = variants.dispatchers["parallel"], variants.dispatchers["serial"]
-    assert parallel.py_func.__qualname__ != serial.py_func.__qualname__
-    assert serial.py_func.__code__ is parallel.py_func.__code__
-
-
 # -- the kernels as imported (subprocesses) ---------------------------------------------------
 
 CACHES = """
@@ -216,8 +202,7 @@ def test_each_compilation_is_logged_and_the_first_noticed(
     assert notice.levelno == logging.WARNING
     assert "compiling the Numba kernels" in notice.getMessage()
     assert "compile cache off (test): every process compiles again" in notice.getMessage()
-    fields = {k: getattr(compiled, k) for k in ("kernel", "variant", "dtype", "source")}
-    assert fields == {"kernel": "test.twice", "variant": "serial", "dtype": "float32",
-                      "source": "compiled"}  # fmt: skip
+    fields = {k: getattr(compiled, k) for k in ("kernel", "dtype", "source")}
+    assert fields == {"kernel": "test.twice", "dtype": "float32", "source": "compiled"}
     assert compiled.levelno == logging.DEBUG
     assert 0 < compiled.seconds < 600

@@ -167,7 +167,7 @@ def test_parallel_and_serial_twins_agree(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(_machinery, "SERIAL_WORK", 2**62)
     serial = fused(q, k, v, fm, mask)
     monkeypatch.setattr(_machinery, "SERIAL_WORK", 0)
-    monkeypatch.setattr(_machinery.numba, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(_machinery, "threads", lambda: 2)
     before = bd._forward.launches["parallel"]
     parallel = fused(q, k, v, fm, mask)
     assert bd._forward.launches["parallel"] == before + 1

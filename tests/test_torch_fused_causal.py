@@ -305,7 +305,7 @@ def test_parallel_and_serial_twins_agree(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(_machinery, "SERIAL_WORK", 2**62)
     serial = run()
     monkeypatch.setattr(_machinery, "SERIAL_WORK", 0)
-    monkeypatch.setattr(_machinery.numba, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(_machinery, "threads", lambda: 2)
     before = (fc._forward_fused.launches["parallel"], fcb._backward.launches["parallel"])
     parallel = run()
     after = (fc._forward_fused.launches["parallel"], fcb._backward.launches["parallel"])

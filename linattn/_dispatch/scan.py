@@ -312,7 +312,7 @@ def attend(
 
 def kernel_status() -> dict[str, str]:
     """Which compiled kernels can run here, and why not where one cannot; where the CPU
-    kernels can, how they run (threading layer, compile cache)."""
+    kernels can, how they run (kernel threads, compile cache)."""
     status = {}
     try:
         import linattn_numba

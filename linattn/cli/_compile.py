@@ -2,8 +2,8 @@
 
 Runs the calls of :data:`CALLS` (the README's examples and the rest of the front door's
 usual options) on NumPy arrays of each asked dtype, twice: at the README's size, where the
-kernels run in parallel on Numba's thread pool, and on a few tokens, where they run serial
-(a decoding step, small tests).  The kernels save what they compile in their compile cache,
+kernels run in parallel over the heads, and on a few tokens, where they run serial (a
+decoding step, small tests; one compiled kernel serves both, so the second loads it).  The kernels save what they compile in their compile cache,
 so that later processes load it in about a second; the report lists, per kernel, the
 seconds it took to compile (or load), from the ``linattn.numba`` log.
 """
@@ -29,8 +29,8 @@ __all__ = ["CALLS", "SIZES", "compile_kernels", "warm_up"]
 
 Arrays = tuple[Any, Any, Any]
 
-#: ``(batch, heads, L, d, m)``: the README's size (parallel kernels) and a few tokens
-#: (the serial ones, which every call this small and every decoding step runs).
+#: ``(batch, heads, L, d, m)``: the README's size (kernels in parallel) and a few tokens
+#: (serial, as every call this small and every decoding step runs).
 SIZES = {"README": (1, 4, 2048, 64, 256), "small": (1, 2, 16, 8, 16)}
 
 
@@ -105,7 +105,7 @@ def _recording() -> Iterator[_Records]:
 def warm_up(dtype: str) -> Iterator[dict[str, Any]]:
     """Run every call of :data:`CALLS` at each size of :data:`SIZES` in ``dtype``; yields
     one row per call when it is done: its seconds and the kernels it compiled or loaded
-    (``kernel``, ``variant``, ``dtype``, ``source``, ``seconds``).
+    (``kernel``, ``dtype``, ``source``, ``seconds``).
 
     Examples
     --------
@@ -126,7 +126,7 @@ def warm_up(dtype: str) -> Iterator[dict[str, Any]]:
                 call(q, k, v, fm)
                 seconds = time.perf_counter() - start
             kernels = [
-                {key: getattr(r, key) for key in ("kernel", "variant", "dtype", "source")}
+                {key: getattr(r, key) for key in ("kernel", "dtype", "source")}
                 | {"seconds": round(float(getattr(r, "seconds", 0.0)), 3)}
                 for r in log.records
             ]
@@ -159,14 +159,14 @@ def compile_kernels(args: argparse.Namespace) -> int:
         print(json_text({"kernels": numba_cpu, "seconds": round(total, 3), "calls": rows}), end="")
         return 0
     table = compact_table("Kernels (compiled, or loaded from the compile cache)")
-    for column, right in (("kernel", False), ("variant", False), ("dtype", False)):
+    for column, right in (("kernel", False), ("dtype", False)):
         table.add_column(column, right=right)
     table.add_column("source")
     table.add_column("seconds", right=True)
     for row in rows:
         for kernel in row["kernels"]:
             table.add_row(
-                kernel["kernel"], kernel["variant"], kernel["dtype"], kernel["source"],
+                kernel["kernel"], kernel["dtype"], kernel["source"],
                 f"{kernel['seconds']:.2f}",
             )  # fmt: skip
     console.print(table)

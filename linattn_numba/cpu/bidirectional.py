@@ -36,7 +36,6 @@ while a kernel runs.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 from linattn_numba import _machinery
 from linattn_numba.cpu.arrays import readonly, without_empty_rows
@@ -184,7 +183,7 @@ def _merge_sinks(q, t, sinks, sink_values, visible, window_consts, far, far_scal
     )  # fmt: skip
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("projection", "consts", "window_consts"))
 def _forward(
     q, k, v, mask, projection, consts, hyperbolic, fitted_weights, fitted_biases, kv, mu, out,
     lse, sinks, sink_values, visible, window_consts,
@@ -201,7 +200,7 @@ def _forward(
     count = sinks.shape[1]
     span = min(FEATURE_BLOCK, max(length, k.shape[1], 1))
     fitted = fitted_weights.shape[3] > 0
-    for b in prange(batch):
+    for b in range(batch):
         work = _workspace(span, m, projection.shape[0], hyperbolic, width, q.dtype)
         proj, feats, blocks, vecs, product = work
         scratch = feature_scratch(span, projection, hyperbolic, fitted_weights[b, 1], q)
@@ -265,13 +264,13 @@ def _query_cotangents(u, kv, out, grad, d_aug):
         d_aug[i, dv] = -paired / den
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("projection", "consts"))
 def _backward(q, k, v, mask, projection, consts, hyperbolic, kv, mu, out, grad, dq, dk, dv):
     batch, length, _ = q.shape
     m, width = kv.shape[1], kv.shape[2]
     rows = projection.shape[0]
     span = min(FEATURE_BLOCK, max(length, k.shape[1], 1))
-    for b in prange(batch):
+    for b in range(batch):
         proj, feats, blocks, vecs, product = _workspace(span, m, rows, hyperbolic, width, q.dtype)
         d_state = np.zeros((m, width), q.dtype)
         ms, z, lanes = vecs[0][:m], vecs[1][:m], vecs[5][:LANES]

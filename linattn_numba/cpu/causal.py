@@ -12,12 +12,11 @@ from earlier chunks and ``ms = mu`` where finite, else 0,
 * then the chunk's keys are absorbed: ``mu' = max(mu, max_j l(k_j))``,
   ``S' = exp(ms - mu') S + exp(l(K) - mu')^T [V | 1]``.
 
-Each batch x head runs on its own thread (``prange``; each parallel kernel also has a
-serial twin, which :mod:`linattn_numba._machinery` picks for small work, forked children
-and unsafe thread pools); the chunk products are
+The heads are shared among threads (:class:`linattn_numba._machinery.Variants`: one
+compiled kernel, run serial for small work); the chunk products are
 ``np.dot`` calls on contiguous blocks (BLAS ``gemm`` from SciPy's OpenBLAS, pinned
 to one thread while the kernel runs: measured 10x faster than letting BLAS threads
-fight Numba's), and the exponentials use a vectorisable ``exp``
+fight the kernel's threads), and the exponentials use a vectorisable ``exp``
 (:func:`~linattn_numba.cpu.scalars.fast_exp`, within 2 ulp of the C library's, with exact
 ``0``, ``inf`` and ``nan``).  The per-chunk steps are the primitives of
 :mod:`linattn_numba.cpu.chunks`.
@@ -45,9 +44,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numba
 import numpy as np
-from numba import prange
 
 from linattn_numba import _contract, _machinery
 from linattn_numba.cpu.arrays import (
@@ -77,7 +74,7 @@ _jit = _machinery.jit
 def _forward(lq, lk, va, kv, mu, chunk, out, log_scale):
     """All heads; ``log_scale`` is ``(batch, L)``, or ``(batch, 0)`` to skip it."""
     batch, length, m = lq.shape
-    for b in prange(batch):
+    for b in range(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, va.shape[2], lq.dtype)
         for t0 in range(0, length, chunk):
             t1 = min(t0 + chunk, length)
@@ -154,7 +151,7 @@ def _head_backward(
             )  # fmt: skip
 
 
-@_machinery.Variants
+@_machinery.Variants.over(workers=("seg_kv", "seg_mu", "check_kv", "check_mu"))
 def _backward(
     lq, lk, va, kv, mu, chunk, dout, dkv_out, dlq, dlk, dva, dkv, seg_kv, seg_mu, check_kv,
     check_mu,
@@ -162,7 +159,7 @@ def _backward(
     """Heads in turn on each worker ``t`` (its own ``seg_*``/``check_*`` buffers)."""
     batch, _, m = lq.shape
     workers = seg_kv.shape[0]
-    for t in prange(workers):
+    for t in range(workers):
         work = backward_workspace(chunk, m, va.shape[2], lq.dtype)
         for b in range(t, batch, workers):
             _head_backward(
@@ -270,7 +267,7 @@ def numpy_backward(
         # subtracted).
         chunk = chunk_length(sizes.chunk, sizes.length)
         variant = _machinery.choose_variant(sizes.batch, sizes.length, sizes.m * sizes.width)
-        workers = min(sizes.batch, numba.get_num_threads()) if variant == "parallel" else 1
+        workers = min(sizes.batch, _machinery.threads()) if variant == "parallel" else 1
         n_chunks = -(-sizes.length // chunk)
         stored = n_chunks * m * width * dlq.itemsize
         per_segment = n_chunks if stored <= STORE_BYTES else math.ceil(math.sqrt(n_chunks))

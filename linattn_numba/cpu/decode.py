@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
 
 from linattn_numba import _machinery
 from linattn_numba.cpu.arrays import contiguous
@@ -110,7 +109,7 @@ def _readout_then_update(u, intra, phi, va, kv, decay, weight_state, block, stat
             kv_out[r, e] = dr * kv[r, e] + p * row[e]
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("projection", "consts"))
 def _decode(
     q, k, v, mask, projection, consts, hyperbolic, fitted_weights, fitted_biases, kv, mu, chunk,
     kv_out, mu_out, out,
@@ -124,7 +123,7 @@ def _decode(
     m = kv.shape[1]
     dtype = q.dtype
     zero = typed(0.0, consts[0])
-    for b in prange(batch):
+    for b in range(batch):
         lq = np.empty((length, m), dtype)
         lk = np.empty((length, m), dtype)
         va = np.empty((length, dv + 1), dtype)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
 
 from linattn_numba import _contract, _machinery
 from linattn_numba.cpu.arrays import (
@@ -30,7 +29,7 @@ from linattn_numba.cpu.scalars import typed
 __all__ = ["favor_causal", "forward"]
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("projection", "consts"))
 def _forward_fused(
     q, k, v, mask, projection, consts, hyperbolic, fitted_weights, fitted_biases, kv, mu, chunk,
     out, lse,
@@ -49,7 +48,7 @@ def _forward_fused(
     dtype = q.dtype
     span = chunk * max(1, FEATURE_BLOCK // chunk)
     zero = typed(0.0, consts[0])
-    for b in prange(batch):
+    for b in range(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, dv + 1, dtype)
         fw, fb = fitted_weights[b], fitted_biases[b]
         proj = feature_scratch(span, projection, hyperbolic, fw[0], q)

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
-from numba import prange
 
 from linattn_numba import _machinery
 from linattn_numba.cpu.arrays import STORE_BYTES, readonly, without_empty_rows
@@ -188,7 +186,7 @@ def _head_backward(
             )  # fmt: skip
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("projection", "consts"), workers=("seg_kv", "seg_mu", "check_kv", "check_mu"))
 def _backward(
     q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out, grad, grad_lse,
     dkv_out, dq, dk, dv, dkv, seg_kv, seg_mu, check_kv, check_mu,
@@ -197,7 +195,7 @@ def _backward(
     batch, _, _ = q.shape
     m, width = kv.shape[1], kv.shape[2]
     workers = seg_kv.shape[0]
-    for t in prange(workers):
+    for t in range(workers):
         work = backward_workspace(chunk, m, width, q.dtype)
         fwork = _features_workspace(chunk, m, projection.shape[0], hyperbolic, width, q.dtype)
         for b in range(t, batch, workers):
@@ -269,7 +267,7 @@ def backward(
     dq, dk, dv = (np.empty(x.shape, call.dtype) for x in (call.q, call.k, call.v))
     dkv = np.array(dkv_out, dtype=call.dtype, order="C", copy=True)
     if call.length:  # (no tokens: the state's gradient passes through)
-        workers = min(call.n, numba.get_num_threads()) if call.variant == "parallel" else 1
+        workers = min(call.n, _machinery.threads()) if call.variant == "parallel" else 1
         n_chunks = -(-call.length // call.chunk)
         stored = n_chunks * m * width * dq.itemsize
         per_segment = n_chunks if stored <= STORE_BYTES else math.ceil(math.sqrt(n_chunks))

@@ -54,7 +54,6 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import prange
 
 from linattn_numba import _contract, _machinery
 from linattn_numba.cpu.arrays import DTYPES, chunk_length, contiguous, readonly, without_empty_rows
@@ -109,7 +108,7 @@ def _far_keys(qb, kb, vb, keepb, rb, rvb, lag, reverse, s0, n, qx, kx, va, prese
         va[i, dv] = 1
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("projection", "consts", "window_consts"))
 def _forward(
     q, k, v, keep, recent, recent_values, sinks, sink_values, visible, projection, consts,
     window_consts, hyperbolic, fitted_weights, fitted_biases, key_shift, kv, mu, later_kv,
@@ -129,7 +128,7 @@ def _forward(
     block_rows = chunk * max(1, FEATURE_BLOCK // chunk)
     span = back + ahead + 1
     first = recent.shape[1]
-    for b in prange(batch):
+    for b in range(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, dv + 1, dtype)
         fw, fb, shift = fitted_weights[b], fitted_biases[b], key_shift[b]
         proj = feature_scratch(block_rows, projection, hyperbolic, fw[0], q)

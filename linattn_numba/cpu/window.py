@@ -42,7 +42,6 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import prange
 
 from linattn_numba import _machinery
 from linattn_numba.cpu.arrays import contiguous, readonly
@@ -107,9 +106,9 @@ def _head_forward(q, k, v, keep, span, consts, rows, tops):
     _direct_rows(q, k, v, keep, span, consts, rows, tops, 0, q.shape[0], logits)
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("consts",))
 def _forward(q, k, v, keep, span, consts, rows, tops):
-    for b in prange(q.shape[0]):
+    for b in range(q.shape[0]):
         _head_forward(q[b], k[b], v[b], keep[b], span, consts, rows[b], tops[b])
 
 
@@ -132,9 +131,9 @@ def _head_backward(q, k, v, keep, span, consts, tops, g, dq, dk, dv_out):
                     dv_out[j, e] += p * g[i, e]
 
 
-@_machinery.Variants
+@_machinery.Variants.over(shared=("consts",))
 def _backward(q, k, v, keep, span, consts, tops, g, dq, dk, dv_out):
-    for b in prange(q.shape[0]):
+    for b in range(q.shape[0]):
         _head_backward(
             q[b], k[b], v[b], keep[b], span, consts, tops[b], g[b], dq[b], dk[b], dv_out[b]
         )
