@@ -47,8 +47,13 @@ DISCARD_VENVS = bool(os.environ.get("CI"))
 #: editable install points at this checkout.
 NUMBA_CACHE_DIR = tempfile.mkdtemp(prefix="linattn-numba-cache-")
 atexit.register(shutil.rmtree, NUMBA_CACHE_DIR, ignore_errors=True)
-#: The environment every session's commands get: the cache above, switched on.
-CACHE_ENV = {"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR, "LINATTN_NUMBA_CACHE": "1"}
+#: The environment every session's commands get: the cache above, switched on, and
+#: kernels compiled in the call (``LINATTN_COMPILE=foreground``: no background compile,
+#: so that which path runs a call is the same in every run; tests/conftest.py pins it too).
+CACHE_ENV = {
+    "NUMBA_CACHE_DIR": NUMBA_CACHE_DIR, "LINATTN_NUMBA_CACHE": "1",
+    "LINATTN_COMPILE": "foreground",
+}  # fmt: skip
 #: ``.ci/run`` runs the default set as two nox processes at once, one per tag (CI has two
 #: cores, and most of a session is one busy process: pip, Numba's or XLA's compiler):
 #: ``numba``, the kernels' own sessions (the CUDA simulator's included) and the docs (which

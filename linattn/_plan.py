@@ -17,10 +17,11 @@ line in :data:`EXECUTORS`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from linattn import _dispatch
+from linattn import _dispatch, _warm
 from linattn._call import Call, normalise_call
 from linattn._xp import is_array
 from linattn.executors import (
@@ -48,6 +49,7 @@ __all__ = [
     "plan_attention",
     "plan_call",
     "run_call",
+    "start_compiling",
 ]
 
 
@@ -135,17 +137,44 @@ _DECODE_SCAN = _dispatch.Plan("numba-cpu", "the decoding kernel", fused=True)
 def plan_call(call: Call) -> AttentionPlan:
     """The executor that runs ``call``, with its reason and every earlier one's reasons."""
     rejected: list[tuple[str, str]] = []
-    executor, scan = _choose(call, rejected)
+    executor, scan, _ = _choose(call, rejected, start=False)
     return AttentionPlan(executor.name, executor.summary, tuple(rejected), scan)
 
 
 def _choose(
+    call: Call, rejected: list[tuple[str, str]] | None = None, *, start: bool = True
+) -> tuple[Executor, _dispatch.Plan, Call]:
+    """The first executor that serves ``call``, the scan plan and the call it runs (the
+    call itself, or the call on the array API while its kernels compile in the
+    background: :mod:`linattn._warm`); each executor asked before it goes to
+    ``rejected`` with its reasons.  ``start=False``: a plan only explained, which starts
+    no background compile."""
+    executor, scan = _first(call, rejected)
+    if not executor.uses_kernels(call, scan):
+        return executor, scan, call
+    cold = _warm.cold(executor.name, call, start=start)
+    if cold is None:
+        return executor, scan, call
+    portable_call = call._replace(backend="array_api")
+    asked: list[tuple[str, str]] | None = None if rejected is None else []
+    executor, scan = _first(portable_call, asked)
+    if rejected is not None and asked is not None:
+        # Those asked before the executor that waits keep their reasons; it and those
+        # after it wait for the kernels.
+        before = dict(rejected)
+        rejected[:] = [
+            (name, before[name] if name in before else why.replace("backend='array_api'", cold))
+            for name, why in asked
+        ]
+    return executor, dataclasses.replace(scan, reason=cold), portable_call
+
+
+def _first(
     call: Call, rejected: list[tuple[str, str]] | None = None
 ) -> tuple[Executor, _dispatch.Plan]:
-    """The first executor that serves ``call``, and the scan plan; each one asked before
-    it goes to ``rejected`` with its reasons.  Without ``rejected`` (a call about to run,
-    whose plan no one reads) the executors whose declarations the call falls outside are
-    passed over without their words: the choice is the same."""
+    """The first executor that serves ``call``, and the scan plan.  Without ``rejected``
+    (a call about to run, whose plan no one reads) the executors whose declarations the
+    call falls outside are passed over without their words: the choice is the same."""
     scan = _DECODE_SCAN
     facts = Facts.of(call)
     for executor in EXECUTORS:
@@ -164,7 +193,16 @@ def _choose(
 def chosen(call: Call) -> tuple[Executor, _dispatch.Plan]:
     """The executor that runs ``call`` and the scan plan, without the words of a plan
     (:func:`plan_call` explains): what runs a call, and what its VJP asks."""
-    return _choose(call)
+    executor, scan, _ = _choose(call)
+    return executor, scan
+
+
+def start_compiling(call: Call) -> bool:
+    """Start the background compile of the kernels ``call`` would run (where
+    :mod:`linattn._warm` applies and they are not ready); whether they are compiling.
+    (``linattn demo`` starts its timed calls' kernels before its accuracy study.)"""
+    executor, scan = _first(call)
+    return executor.uses_kernels(call, scan) and _warm.cold(executor.name, call) is not None
 
 
 def backward_of(executor: Executor, call: Call) -> Backward | None:
@@ -184,8 +222,14 @@ def execute(call: Call) -> Any:
 def run_call(call: Call) -> Result:
     """A call's output and state through the plan (also a Dask chunk's, a torch
     operator's NumPy call)."""
-    executor, scan = _choose(call)
-    return executor.run(call, scan, run_call)
+    executor, scan, runs = _choose(call)
+    if runs is not call:  # (its kernels compile in the background, on another core)
+        with _dispatch.single_threaded_blas():
+            return executor.run(runs, scan, run_call)
+    result = executor.run(call, scan, run_call)
+    if executor.uses_kernels(call, scan):
+        _warm.ran(executor.name, call)
+    return result
 
 
 sub_calls.set_runner(run_call)  # (for the torch operators, which run outside a call)

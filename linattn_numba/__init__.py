@@ -15,7 +15,8 @@ it so):
 * primitives: :mod:`linattn_numba.cpu.chunks`, ``features``, ``exact``, ``scalars``,
   ``arrays`` and ``calls``, and the CUDA device code :mod:`linattn_numba.gpu.kernels`
   and :mod:`linattn_numba.gpu.blas`;
-* :mod:`linattn_numba._machinery` (compiling, threads, BLAS), :mod:`linattn_numba._contract`
+* :mod:`linattn_numba._machinery` (compiling, threads, BLAS; :func:`cache_directory` and
+  :func:`single_threaded_blas` here are its public face), :mod:`linattn_numba._contract`
   (the kernel argument contract) and :mod:`linattn_numba.gpu.target` (the one module that
   imports numba's CUDA target).
 
@@ -36,9 +37,18 @@ the log-normaliser (a stabiliser, like ``log_shift_out``: no gradient of its own
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
-__all__ = ["causal_kernel_for", "cpu_runtime", "cpu_status", "cuda_status"]
+__all__ = [
+    "cache_directory",
+    "causal_kernel_for",
+    "cpu_runtime",
+    "cpu_status",
+    "cuda_status",
+    "single_threaded_blas",
+]
 
 Kernel = Callable[..., tuple[Any, ...]]
 
@@ -53,10 +63,24 @@ def cpu_status() -> str:
 
 
 def cpu_runtime() -> str:
-    """How the CPU kernels run here: the threading layer and the compile cache."""
+    """How the CPU kernels run here: their threads and the compile cache."""
     from linattn_numba import _machinery
 
     return _machinery.describe()
+
+
+def cache_directory() -> Path | None:
+    """The CPU kernels' compile cache directory, ``None`` where it is off."""
+    from linattn_numba import _machinery
+
+    return _machinery.CACHE_SETTING.directory
+
+
+def single_threaded_blas() -> AbstractContextManager[None]:
+    """BLAS on one thread while the block runs (as while a kernel runs)."""
+    from linattn_numba import _machinery
+
+    return _machinery.single_threaded_blas()
 
 
 def cuda_status() -> str:

@@ -23,8 +23,9 @@ Every kernel uses Numba's on-disk compile cache, in the directory that
 :mod:`linattn_numba._cache` resolves (on by default; ``LINATTN_NUMBA_CACHE=0`` turns it
 off); a kernel missing from the cache compiles under that directory's lock.  Each
 compilation (or load from the cache) of a kernel is logged at ``DEBUG`` on the
-``linattn.numba`` logger, with the extra attributes ``kernel``, ``dtype``, ``seconds`` and ``source`` (``"compiled"`` or ``"cache"``); the first compilation in a
-process logs a one-line notice at ``WARNING``
+``linattn.numba`` logger, with the extra attributes ``kernel``, ``dtype``, ``seconds``
+and ``source`` (``"compiled"`` or ``"cache"``); the first compilation in a process logs
+a one-line notice at ``WARNING``
 (``logging.getLogger("linattn").setLevel(logging.ERROR)`` silences it).
 
 Examples

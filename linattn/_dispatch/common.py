@@ -3,8 +3,10 @@ installed, which array library an array belongs to, and the fused maps' operands
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from linattn._xp import Array
@@ -16,14 +18,17 @@ __all__ = [
     "NUMBA_INSTALLED",
     "Backend",
     "broadcast_batch",
+    "cache_directory",
     "empty_shift",
     "fitted_kernel_arrays",
     "fused_map",
     "fused_map_arrays",
     "installed",
+    "kernel_sources",
     "library_of",
     "numpy_kernels_why_not",
     "resolve_backend",
+    "single_threaded_blas",
     "torch_projection",
     "zeros_state",
 ]
@@ -84,6 +89,35 @@ def numpy_kernels_why_not(backend: Backend) -> str | None:
     except ImportError as error:
         return f"linattn_numba cannot be imported ({error}); install linattn[numba]"
     return None
+
+
+def cache_directory() -> Path | None:
+    """The CPU kernels' compile cache directory (``None``: off, or no kernels)."""
+    if numpy_kernels_why_not("auto") is not None:
+        return None
+    import linattn_numba
+
+    return linattn_numba.cache_directory()
+
+
+def single_threaded_blas() -> contextlib.AbstractContextManager[None]:
+    """BLAS on one thread while the block runs (every BLAS the process has loaded,
+    NumPy's included), as while a kernel runs: beside a compiling process a
+    multi-threaded BLAS waits on its busy core (0.15 s became 5 s for the README's
+    NumPy call on the array API, 2 cores, one busy)."""
+    if cache_directory() is None:  # (no kernels: nothing compiles in the background)
+        return contextlib.nullcontext()
+    import linattn_numba
+
+    return linattn_numba.single_threaded_blas()
+
+
+def kernel_sources() -> list[Path]:
+    """The source files of the CPU kernels (what their compiled code depends on)."""
+    spec = importlib.util.find_spec("linattn_numba")
+    if spec is None or spec.origin is None:
+        return []
+    return sorted(Path(spec.origin).parent.rglob("*.py"))
 
 
 def fused_map(feature_map: FeatureMap | None) -> bool:

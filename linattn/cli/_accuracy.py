@@ -185,6 +185,7 @@ def accuracy_study(
     causal: bool = False,
     metrics: Sequence[str] = tuple(METRICS),
     on_step: Step = no_step,
+    backend: str | None = None,
 ) -> list[AccuracyRow]:
     """Error of each estimator against exact softmax attention, per feature count.
 
@@ -192,7 +193,8 @@ def accuracy_study(
     attention runs on ``library`` (the error includes its rounding); the exact
     reference is NumPy float64.  ``on_step`` is called once per projection draw.
     Estimators that need query/key statistics (OPRF, rebalancing) are calibrated on
-    the study's own queries and keys.
+    the study's own queries and keys.  ``backend`` is passed to
+    :func:`linattn.linear_attention`.
 
     Examples
     --------
@@ -217,6 +219,7 @@ def accuracy_study(
             causal=causal,
             metrics=metrics,
             on_step=on_step,
+            backend=backend,
         )
 
 
@@ -243,6 +246,7 @@ def _accuracy_study(
     causal: bool,
     metrics: Sequence[str],
     on_step: Step,
+    backend: str | None = None,
 ) -> list[AccuracyRow]:
     unknown = [metric for metric in metrics if metric not in METRICS]
     if unknown:
@@ -260,7 +264,9 @@ def _accuracy_study(
                 if feature_map.needs_calibration:
                     feature_map = feature_map.calibrate(q, k)
                 if "mse" in errors:
-                    out = la.linear_attention(q_lib, k_lib, v_lib, feature_map, causal=causal)
+                    out = la.linear_attention(
+                        q_lib, k_lib, v_lib, feature_map, causal=causal, backend=backend
+                    )
                     out = np.asarray(to_host(out), dtype=np.float64)
                     errors["mse"].append(float(np.mean((out - exact) ** 2)))
                 if "tv" in errors:

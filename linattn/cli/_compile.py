@@ -1,11 +1,13 @@
-"""``linattn compile``: compile the kernels typical calls use, before the first call needs them.
+"""``linattn compile``: compile the kernels typical calls use, before the first call needs
+them.
 
 Runs the calls of :data:`CALLS` (the README's examples and the rest of the front door's
-usual options) on NumPy arrays of each asked dtype, twice: at the README's size, where the
-kernels run in parallel over the heads, and on a few tokens, where they run serial (a
-decoding step, small tests; one compiled kernel serves both, so the second loads it).  The kernels save what they compile in their compile cache,
-so that later processes load it in about a second; the report lists, per kernel, the
-seconds it took to compile (or load), from the ``linattn.numba`` log.
+usual options) on NumPy arrays of each asked dtype, twice: at the README's size, where
+the kernels run in parallel over the heads, and on a few tokens, where they run serial
+(a decoding step, small tests; one compiled kernel serves both, so the second loads it).
+The kernels save what they compile in their compile cache, so that later processes load
+it in about a second; the report lists, per kernel, the seconds it took to compile (or
+load), from the ``linattn.numba`` log.
 """
 
 from __future__ import annotations

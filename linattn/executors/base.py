@@ -229,6 +229,8 @@ class Executor:
     name: ClassVar[str]
     summary: ClassVar[str]
     takes: ClassVar[Takes] = Takes()
+    #: Whether it runs compiled kernels on every call it serves.
+    compiled: ClassVar[bool] = False
 
     def why_not(self, call: Call, scan: _dispatch.Plan, facts: Facts | None = None) -> list[str]:
         """Every reason this executor does not serve ``call`` (empty: it does).
@@ -242,6 +244,11 @@ class Executor:
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         """Reasons beyond the declarations (a kernel that must import, a length limit)."""
         return []
+
+    def uses_kernels(self, call: Call, scan: _dispatch.Plan) -> bool:
+        """Whether running ``call`` (which it serves) reaches a compiled kernel: always
+        where :attr:`compiled`, else where the scan plan is a kernel's."""
+        return self.compiled or scan.path == "numba-cpu"
 
     def run(self, call: Call, scan: _dispatch.Plan, attend: Runner) -> Result:
         """The output in the caller's dtype, and the new state where asked."""

@@ -24,6 +24,7 @@ class Decode(Executor):
         maps=("random", "fitted"),
         backends=("auto", "numba"),
     )
+    compiled = True
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         state, fm = call.state, call.feature_map

@@ -18,6 +18,7 @@ class FusedBidirectional(Executor):
     name = "fused-bidirectional"
     summary = "bidirectional features, state and readout in the fused compiled pass"
     takes = replace(FUSED_TAKES, causal=False)
+    compiled = True
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         fm = call.feature_map

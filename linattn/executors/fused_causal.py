@@ -18,6 +18,7 @@ class FusedCausal(Executor):
     name = "fused-causal"
     summary = "causal features and attention in one compiled pass, no L x m array"
     takes = replace(FUSED_TAKES, causal=True)
+    compiled = True
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         if call.feature_map is not None and call.feature_map.parameters is not None:

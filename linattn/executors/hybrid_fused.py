@@ -42,6 +42,8 @@ TAKES = Takes(
 class _OnePass(Executor):
     """An executor of the one-pass hybrid kernels: :meth:`one_pass` over the call's parts."""
 
+    compiled = True
+
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         return fused_far_keys_why_not(call, scan)
 

@@ -20,6 +20,13 @@ class HybridParts(Executor):
     summary = "exact parts and far keys as partial rows, merged as in online softmax"
     takes = Takes(exact_parts=True)
 
+    def uses_kernels(self, call: Call, scan: _dispatch.Plan) -> bool:
+        """The scan's kernel, or the window's (NumPy arrays, where the plan allows)."""
+        return scan.path == "numba-cpu" or (
+            _dispatch.library_of(call.q) == "numpy"
+            and _dispatch.numpy_kernels_why_not(scan.backend) is None
+        )
+
     def run(self, call: Call, scan: _dispatch.Plan, attend: Runner) -> Result:
         checked = prepare(call, scan)
         xp = checked.info.xp

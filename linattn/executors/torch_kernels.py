@@ -36,6 +36,7 @@ class TorchKernels(Executor):
         dtypes=("float32", "float64"),
         backends=("auto", "numba"),
     )
+    compiled = True
 
     def more_reasons(self, call: Call, scan: _dispatch.Plan) -> list[str]:
         # Read from types, devices, shapes and dtypes only: no array is made (the plan

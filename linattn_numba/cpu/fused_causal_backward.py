@@ -186,7 +186,9 @@ def _head_backward(
             )  # fmt: skip
 
 
-@_machinery.Variants.over(shared=("projection", "consts"), workers=("seg_kv", "seg_mu", "check_kv", "check_mu"))
+@_machinery.Variants.over(
+    shared=("projection", "consts"), workers=("seg_kv", "seg_mu", "check_kv", "check_mu")
+)
 def _backward(
     q, k, v, mask, projection, consts, hyperbolic, kv, mu, chunk, out, grad, grad_lse,
     dkv_out, dq, dk, dv, dkv, seg_kv, seg_mu, check_kv, check_mu,
