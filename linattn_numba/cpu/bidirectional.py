@@ -28,9 +28,8 @@ D_t]`` the cotangent of the unnormalised row: ``d l(q_t) = u_t * (A_t S^T)``,
 with ``phi_j = exp(l(k_j) - mu)``, then through the features: ``dx = d_proj P - s x
 sum_r d l_r`` (``P`` the projection times ``sqrt(s)``).
 
-Batch x heads run on Numba's thread pool (serial twins for small work, forked children
-and unsafe thread pools: :mod:`linattn_numba._machinery`); BLAS is pinned to one thread
-while a kernel runs.
+Batch x heads are shared among threads (serial for small work:
+:mod:`linattn_numba._machinery`); BLAS is pinned to one thread while a kernel runs.
 """
 
 from __future__ import annotations

@@ -13,10 +13,9 @@ against blocks of ``max(span, 16)`` queries with two ``gemm`` calls each (logits
 the block against its keys, the band selected, weights times values; L = 16384,
 8 heads, d = 64, float32, two shared cores, interleaved best of 5): 19 against 33 ms
 at span 4, 33 against 77 ms at span 16, 132 against 133 ms at span 64: the products
-compute twice the band and small ``gemm`` calls cost their overhead.  Each batch x
-head runs on its own thread (:mod:`linattn_numba._machinery`: serial and parallel
-twins, serial for small work, forked children and thread-unsafe pools); no BLAS is
-called.
+compute twice the band and small ``gemm`` calls cost their overhead.  Batch x heads
+are shared among threads (:mod:`linattn_numba._machinery`: serial for small work); no
+BLAS is called.
 
 The backward holds ``c`` constant (exact for normalised outputs, which share it
 between numerator and denominator): for each visible pair ``p = exp(s q.k - c)``,
