@@ -21,6 +21,7 @@ from linattn._adjoints import sum_to
 from linattn._checks import (
     broadcast_shapes,
     check_attention_inputs,
+    check_chunk_size,
     check_scale,
     check_state_options,
     check_statistics_for_causal,
@@ -175,6 +176,34 @@ def normalise_call(
             f"scale is the feature map's ({feature_map.scale}) when one is given; got {scale}"
         )
     return call
+
+
+def check_call(call: Call) -> None:
+    """The front door's argument errors, before any plan or work: the inputs' shapes,
+    dtypes and masks, the state's options, ``window`` / ``sink_keys`` /
+    ``exact_key_mask``, ``chunk_size`` and ``scale``.  :func:`linattn.plan_attention`
+    runs it, and with it every entry point that plans before it runs (the fitted dense
+    form), so that a call no path takes never reaches one (an empty sequence reached
+    torch's fused attention kernel, which killed the interpreter).  The executors check
+    the same as they run, with the same functions."""
+    fm = call.feature_map
+    info = check_attention_inputs(
+        call.q, call.k, call.v, key_mask=call.key_mask, causal=call.causal,
+        head_dim=None if fm is None else fm.head_dim,
+    )  # fmt: skip
+    check_state_options(call.causal, call.state, call.return_state)
+    if call.state is not None:
+        state_arrays(call.state)  # (a state, or the error naming it)
+        check_state(call.state, fm, info, compute_dtype(info.xp, info.dtype))
+    build.check_exact_parts(
+        call.window, call.sink_keys, call.exact_key_mask, xp=info.xp, causal=call.causal,
+        state=call.state, query_length=info.query_length, key_length=info.key_length,
+        k=call.k,
+    )  # fmt: skip
+    if call.chunk_size is not None:
+        check_chunk_size(call.chunk_size)
+    if call.scale is not None:
+        check_scale(call.scale, info.query_head_dim)
 
 
 def grouped_inputs(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from linattn import _dispatch, _warm
-from linattn._call import Call, normalise_call
+from linattn._call import Call, check_call, normalise_call
 from linattn._xp import is_array
 from linattn.executors import (
     dask_scan,
@@ -274,4 +274,5 @@ def plan_attention(
     call = normalise_call(q, k, v, feature_map, **options)
     if not is_array(call.q):
         raise TypeError(f"q must be an array; got {type(call.q).__name__}")
+    check_call(call)
     return plan_call(call)

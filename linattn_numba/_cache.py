@@ -203,13 +203,19 @@ def _acquire(path: Path) -> Any:
 
 
 class LockedCache:
-    """A kernel's Numba cache whose misses take the directory's lock (:func:`hold`).
+    """A kernel's Numba cache whose misses take the directory's lock (:func:`hold`), and
+    whose damaged entries heal.
 
     A load from the cache takes no lock: Numba replaces each file whole, and a writer holds
     the lock.  A miss holds it and looks again (another process may have just written the
     kernel); the lock is then held while the kernel compiles and is saved, until
     :func:`release` (``linattn_numba._machinery`` calls it when the outermost compilation
     ends).
+
+    An entry that cannot be loaded (an index or data file truncated, emptied or garbled:
+    an interrupted write, a full disk) is a miss: under the lock its files are removed, one
+    warning says so, and the kernel compiles and is saved afresh.  Numba raised instead,
+    in every later call of every process, until the cache was deleted by hand.
     """
 
     def __init__(self, cache: Any, directory: Path) -> None:
@@ -217,11 +223,39 @@ class LockedCache:
         self.directory = directory
 
     def load_overload(self, sig: Any, target_context: Any) -> Any:
-        found = self.cache.load_overload(sig, target_context)
+        found = self._load(sig, target_context)
         if found is None and _HELD["handle"] is None:
             hold(self.directory)
-            found = self.cache.load_overload(sig, target_context)
+            found = self._load(sig, target_context)
         return found
+
+    def _load(self, sig: Any, target_context: Any) -> Any:
+        try:
+            return self.cache.load_overload(sig, target_context)
+        except Exception as error:  # (whatever unpickling a damaged file raises)
+            hold(self.directory)
+            removed = self.drop()
+            logger.warning(
+                "linattn: the compile cache entry of %s could not be loaded (%s: %s); "
+                "removed %d file(s), compiling it again",
+                getattr(getattr(self.cache, "_py_func", None), "__qualname__", "a kernel"),
+                type(error).__name__, error,
+                len(removed),
+            )  # fmt: skip
+            return None
+
+    def drop(self) -> list[Path]:
+        """Remove this kernel's index and data files; the paths removed."""
+        files = self.cache._cache_file
+        folder = Path(files._cache_path)
+        index = Path(files._index_path)
+        pattern = files._data_name_pattern.replace("{number:d}", "*")
+        removed = []
+        for path in [index, *folder.glob(pattern)]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+        return removed
 
     def __getattr__(self, name: str) -> Any:  # (save_overload, cache_path, flush, ...)
         return getattr(self.cache, name)

@@ -206,3 +206,67 @@ def test_each_compilation_is_logged_and_the_first_noticed(
     assert fields == {"kernel": "test.twice", "dtype": "float32", "source": "compiled"}
     assert compiled.levelno == logging.DEBUG
     assert 0 < compiled.seconds < 600
+
+
+# -- a damaged cache heals -------------------------------------------------------------------
+
+KERNEL_MODULE = """
+from linattn_numba import _machinery
+
+
+def twice(x):
+    return 2.0 * x
+"""
+
+HEAL = """
+import logging, sys
+from pathlib import Path
+import numpy as np
+from linattn_numba import _machinery
+import kernel_module
+
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING and "could not be loaded" in record.getMessage():
+            warnings.append(record.getMessage())
+logging.getLogger("linattn.numba").addHandler(Keep())
+cache = Path(sys.argv[1])
+
+
+def fresh():  # (a new dispatcher reads the files again, as a new process would)
+    return _machinery.jit()(kernel_module.twice)
+
+
+assert fresh()(np.arange(3.0))[2] == 4.0  # compiled and saved
+for damage in ("truncate", "empty", "garble"):
+    for suffix in (".nbi", ".nbc"):
+        (path,) = cache.rglob("*twice*" + suffix)
+        data = path.read_bytes()
+        path.write_bytes({"truncate": data[: len(data) // 2], "empty": b"",
+                          "garble": bytes(255 - b for b in data)}[damage])
+        kernel = fresh()
+        assert kernel(np.arange(3.0))[2] == 4.0, (damage, suffix)
+        assert kernel.stats.cache_misses, (damage, suffix)  # (compiled again)
+        assert fresh()(np.arange(3.0))[1] == 2.0  # (saved again: loads)
+print(len(warnings))
+"""
+
+
+def test_a_damaged_cache_entry_is_dropped_and_compiled_again(tmp_path: Path) -> None:
+    """Truncated, emptied and garbled index and data files: each is a miss with one
+    warning, the kernel compiles and is saved again (each raised an unpickling error in
+    every later call of every process before)."""
+    (tmp_path / "kernel_module.py").write_text(KERNEL_MODULE)
+    cache = tmp_path / "cache"
+    environment = {
+        **os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        _machinery.CACHE_VARIABLE: str(cache),
+    }  # fmt: skip
+    environment.pop("NUMBA_CACHE_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-c", HEAL, str(cache)], capture_output=True, text=True,
+        env=environment, timeout=300, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split()[-1] == "6"  # (one warning per damaged file)

@@ -1,0 +1,108 @@
+"""One validation for the entry points: ``plan_attention`` rejects what
+``linear_attention`` rejects, with the same error, before any plan; the fitted forms
+(torch, every form) reject it before any work.
+
+On the commit before, ``plan_attention`` returned a plan for most of the bad arguments
+below, and ``linattn.torch.fitted_attention`` on an empty sequence reached torch's fused
+attention kernel, which killed the interpreter (SIGFPE): that case runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import linattn as la
+
+ROOT = Path(__file__).resolve().parents[1]
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((1, 2, 6, 4))
+FM = la.FeatureMap(4, 8, seed=0)
+
+#: ``(arguments, options)`` that linear_attention rejects, each for its own reason.
+BAD: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "empty sequence": ((X[..., :0, :], X[..., :0, :], X[..., :0, :], FM), {}),
+    "no features": ((X[..., :0], X[..., :0], X, la.FeatureMap(0 + 4, 8)), {}),
+    "k and v lengths": ((X, X, X[..., :5, :], FM), {}),
+    "head dim against the map": ((X, X, X, la.FeatureMap(8, 8)), {}),
+    "causal with other lengths": ((X, X[..., :5, :], X[..., :5, :], FM), {"causal": True}),
+    "causal not a bool": ((X, X, X, FM), {"causal": 1}),
+    "return_state not a bool": ((X, X, X, FM), {"causal": True, "return_state": 1}),
+    "state without causal": ((X, X, X, FM), {"return_state": True}),
+    "window zero": ((X, X, X, FM), {"window": 0}),
+    "window a float": ((X, X, X, FM), {"window": 2.5}),
+    "window a string": ((X, X, X, FM), {"window": "3"}),
+    "window True": ((X, X, X, FM), {"window": True}),
+    "negative sinks": ((X, X, X, FM), {"sink_keys": -1}),
+    "chunk_size zero": ((X, X, X, FM), {"causal": True, "chunk_size": 0}),
+    "chunk_size a float": ((X, X, X, FM), {"causal": True, "chunk_size": 2.0}),
+    "key_mask not bool": ((X, X, X, FM), {"key_mask": np.ones(6)}),
+    "key_mask length": ((X, X, X, FM), {"key_mask": np.ones(5, bool)}),
+    "exact keys with causal": (
+        (X, X, X, FM),
+        {"causal": True, "window": 2, "exact_key_mask": np.ones(6, bool)},
+    ),
+    "window over other lengths": ((X, X[..., :5, :], X[..., :5, :], FM), {"window": 2}),
+    "state not a state": ((X, X, X, FM), {"causal": True, "state": {"kv": 0}}),
+    "integer inputs": ((X.astype(int), X, X, FM), {}),
+}
+
+
+def _error(f: Any, *args: Any, **options: Any) -> tuple[type, str]:
+    with pytest.raises((TypeError, ValueError)) as caught:
+        f(*args, **options)
+    return type(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_plan_attention_rejects_what_linear_attention_rejects(case: str) -> None:
+    args, options = BAD[case]
+    assert _error(la.plan_attention, *args, **options) == _error(
+        la.linear_attention, *args, **options
+    )
+
+
+@pytest.mark.parametrize(
+    "case", ["empty sequence", "window zero", "window a float", "window a string",
+             "k and v lengths", "chunk_size zero"],
+)  # fmt: skip
+def test_torch_fitted_attention_rejects_it_before_any_work(case: str) -> None:
+    torch = pytest.importorskip("torch")
+    from linattn.torch import fitted_attention
+
+    args, options = BAD[case]
+    q, k, v = (torch.from_numpy(x) for x in args[:3])
+    weight = torch.from_numpy(RNG.standard_normal((2, 4, 4)))
+    expected = _error(
+        la.linear_attention, *args[:3], la.FeatureMap.fitted(weight.numpy(), tied=True),
+        **options,
+    )  # fmt: skip
+    for dense in (None, True):
+        got = _error(fitted_attention, q, k, v, weight, tied=True, dense=dense, **options)
+        assert got == expected
+
+
+def test_an_empty_sequence_does_not_kill_the_interpreter() -> None:
+    """(SIGFPE in torch's fused attention kernel on the commit before.)"""
+    pytest.importorskip("torch")
+    program = (
+        "import torch\n"
+        "from linattn.torch import fitted_attention\n"
+        "q = torch.randn(1, 2, 0, 4)\n"
+        "try:\n"
+        "    fitted_attention(q, q, q, torch.eye(4).repeat(2, 1, 1), tied=True)\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "q must have at least one position" in done.stdout
