@@ -225,6 +225,10 @@ def dense_hybrid(
     gq, gk, gv, g_mask, ungroup = grouped(q, k, v, key_mask)
     exact = None if exact_key_mask is None else grouped(q, k, v, exact_key_mask)[3]
     grouping = gq.ndim > q.ndim  # q (..., H_kv, G, L, d), k and v (..., H_kv, 1, L, .)
+    if g_mask is not None:  # padding is inert: a padded key's NaN or inf reaches no row
+        real = g_mask[..., None]
+        gk = xp.where(real, gk, xp.zeros_like(gk))
+        gv = xp.where(real, gv, xp.zeros_like(gv))
 
     def cast(x: Any) -> Any:
         if x is None:
