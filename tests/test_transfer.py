@@ -340,3 +340,84 @@ def test_a_conversion_resumes_from_its_checkpoint(tmp_path) -> None:  # type: ig
         convert_encoder(
             encoder, [(ids, mask)], [(ids, mask)], checkpoint=checkpoint, **{**options, "steps": 4}
         )
+    # Other texts: no resume (it wrote the old maps again, fitting nothing).
+    with pytest.raises(ValueError, match="fitted on other texts"):
+        convert_encoder(
+            encoder, [(ids[::-1], mask)], [(ids, mask)], checkpoint=checkpoint, **options
+        )
+
+
+def test_a_checkpoint_of_an_unfinished_conversion_resumes_but_is_refused_for_use(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    pytest.importorskip("safetensors")
+    from linattn.models.bert import BertConfig, BertEncoder, random_weights
+    from linattn.models.convert import convert_encoder, model_fingerprint
+
+    config = BertConfig(8, 2, 2, 1e-12)
+    encoder = BertEncoder(random_weights(config, 50), config)
+    ids, mask = RNG.integers(0, 50, size=(2, 8)), np.ones((2, 8), dtype=bool)
+    options = {"window": 2, "num_features": 4, "steps": 3, "progress": lambda line: None}
+    checkpoint = tmp_path / "maps.safetensors"
+    stop = {"layer": 0}
+
+    def interrupt(line: str) -> None:  # (the conversion killed after its first layer)
+        if "layer 1" in line:
+            raise KeyboardInterrupt
+        stop["layer"] += 1
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_encoder(
+            encoder, [(ids, mask)], [(ids, mask)], checkpoint=checkpoint,
+            **{**options, "progress": interrupt},
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="checkpoint of an unfinished conversion"):
+        load_maps(checkpoint, model_fingerprint=model_fingerprint(encoder))
+    done = convert_encoder(encoder, [(ids, mask)], [(ids, mask)], checkpoint=checkpoint, **options)
+    assert done.fits[0] is None and done.fits[1] is not None  # (resumed after layer 0)
+    layers, _ = load_maps(checkpoint, model_fingerprint=model_fingerprint(encoder))
+    assert all(fm is not None for fm, _ in layers)
+
+
+def test_a_fitted_maps_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    fm = la.FeatureMap.fitted(RNG.standard_normal((2, 4, 3)), tied=True)
+    path = tmp_path / "maps.safetensors"
+    transfer.save_maps(path, [fm], model_fingerprint="m")
+    before = path.read_bytes()
+    real = safetensors_numpy.save_file
+
+    def full_disk(tensors, filename, metadata=None):  # type: ignore[no-untyped-def]
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:  # (half written, then the disk is full)
+            f.truncate(len(before) // 2)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors_numpy, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        transfer.save_maps(path, [fm, fm], model_fingerprint="m")
+    assert path.read_bytes() == before  # (the old file, whole)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["maps.safetensors"]  # no temporary
+
+
+@pytest.mark.parametrize("damage", ["drop a tensor", "drop a layer", "garble the metadata"])
+def test_a_damaged_fitted_maps_file_is_refused_by_name(tmp_path, damage: str) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    fm = la.FeatureMap.fitted(RNG.standard_normal((2, 4, 3)), tied=True)
+    path = tmp_path / "maps.safetensors"
+    transfer.save_maps(path, [fm, fm], model_fingerprint="m")
+    with safe_open(str(path), framework="numpy") as f:
+        metadata = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    if damage == "drop a tensor":
+        del tensors["layer.1.query_bias"]
+    elif damage == "drop a layer":
+        tensors = {name: x for name, x in tensors.items() if not name.startswith("layer.1.")}
+    else:
+        metadata["scales"] = "[1.0"
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(ValueError, match=f"{path} is damaged"):
+        load_maps(path, model_fingerprint="m")

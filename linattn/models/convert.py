@@ -296,6 +296,7 @@ def convert_encoder(
         "steps": steps,
         "seed": seed,
         "exact_heads": exact_heads,
+        "calibration": calibration_digest(fit, validation),
     }
     fingerprint = model_fingerprint(encoder)
     done, done_heads = _resumed(checkpoint, fingerprint, options)
@@ -309,6 +310,7 @@ def convert_encoder(
             save_maps(
                 checkpoint, attention.maps, model_fingerprint=fingerprint,
                 options=_with_heads(options, attention),
+                complete=len(attention.maps) == encoder.config.num_layers,
             )  # fmt: skip
 
     fits = convert_layers(
@@ -322,6 +324,30 @@ def convert_encoder(
     return ConvertedEncoder(attention, fits, options, fingerprint)
 
 
+def calibration_digest(
+    fit: Sequence[tuple[np.ndarray, np.ndarray]], validation: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> str:
+    """A digest of the calibration batches (their token ids and masks, in order): a
+    checkpoint resumes only a conversion on the same texts.
+
+    Examples
+    --------
+    >>> ids, mask = np.arange(6).reshape(1, 6), np.ones((1, 6), bool)
+    >>> calibration_digest([(ids, mask)], []) == calibration_digest([(ids, mask)], [])
+    True
+    >>> calibration_digest([(ids, mask)], []) == calibration_digest([(ids[:, ::-1], mask)], [])
+    False
+    """
+    digest = hashlib.sha256()
+    for name, split in (("fit", fit), ("validation", validation)):
+        digest.update(name.encode())
+        for ids, mask in split:
+            for x in (np.asarray(ids, np.int64), np.asarray(mask, bool)):
+                digest.update(repr(x.shape).encode())
+                digest.update(np.ascontiguousarray(x).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _with_heads(options: dict[str, Any], attention: FittedAttention) -> dict[str, Any]:
     return {**options, EXACT_HEADS_ENTRY: [list(heads) for heads in attention.exact_heads]}
 
@@ -333,12 +359,17 @@ def _resumed(
     their exact heads."""
     if checkpoint is None or not Path(checkpoint).exists():
         return [], []
-    layers, saved = load_maps(checkpoint, model_fingerprint=fingerprint)
+    layers, saved = load_maps(checkpoint, model_fingerprint=fingerprint, partial=True)
     asked = {name: saved.get(name) for name in options}
     if asked != options:
+        differ = {
+            name: {"checkpoint": asked[name], "this conversion": options[name]}
+            for name in options if asked[name] != options[name]
+        }  # fmt: skip
+        what = "other texts" if list(differ) == ["calibration"] else "other options"
         raise ValueError(
-            f"checkpoint {checkpoint} holds maps fitted with other options ({asked}); "
-            f"expected {options}: remove it or pass another path"
+            f"checkpoint {checkpoint} holds maps fitted on {what} ({differ}): remove it or "
+            "pass another path"
         )
     return [fm for fm, _ in layers], exact_heads_of(saved, len(layers))
 

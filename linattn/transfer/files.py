@@ -1,11 +1,19 @@
 """The fitted-maps file: one model's maps in a safetensors file (:func:`save_maps`,
 :func:`load_maps`) with the model's fingerprint, the linattn version and the options
 (:data:`FORMAT`); :func:`exact_heads_of` reads a conversion's exact heads from them.
+
+A file is written under a temporary name in its folder and renamed when whole, so that
+an interrupted write never leaves a partial file under the final name (a later load, or
+a conversion resuming from it, would take it); the metadata lists the layers that have
+maps, and a load checks that every one of them is there, whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +37,12 @@ def save_maps(
     *,
     model_fingerprint: str,
     options: dict[str, Any] | None = None,
+    complete: bool = True,
 ) -> Path:
     """Write one model's fitted maps (one per layer, None for none) to a safetensors file.
+
+    ``complete=False`` marks a conversion's checkpoint (the layers fitted so far): it
+    resumes a conversion, and :func:`load_maps` refuses it for use.
 
     The metadata holds ``FORMAT``, the linattn version, ``model_fingerprint`` (the
     caller's digest of the model's weights and configuration), each map's softmax scale
@@ -67,10 +79,20 @@ def save_maps(
         "num_layers": str(len(maps)),
         "options": json.dumps(options or {}, sort_keys=True),
         "scales": json.dumps([None if m is None else m.scale for m in maps]),
+        "layers": json.dumps([layer for layer, fm in enumerate(maps) if fm is not None]),
+        "complete": json.dumps(bool(complete)),
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=metadata)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
     return path
 
 
@@ -94,7 +116,7 @@ def exact_heads_of(options: Mapping[str, Any], num_layers: int) -> list[tuple[in
 
 
 def load_maps(
-    path: str | Path, *, model_fingerprint: str | None
+    path: str | Path, *, model_fingerprint: str | None, partial: bool = False
 ) -> tuple[list[tuple[FeatureMap | None, np.ndarray | None]], dict[str, Any]]:
     """A model's fitted maps as ``[(feature_map, far_weight) per layer]``, and the options.
 
@@ -104,12 +126,16 @@ def load_maps(
     (:func:`exact_heads_of`): pass each layer's to :func:`linattn.with_exact_heads` after
     ``linear_attention``.
 
+    ``partial=True`` also takes a conversion's checkpoint (``save_maps(...,
+    complete=False)``: the layers fitted so far), as a conversion resuming does.
+
     Raises
     ------
     ValueError
         The file is not a fitted-maps file, was fitted for another model (its
-        ``model_fingerprint`` differs; ``None`` skips this check) or written by another
-        linattn version.
+        ``model_fingerprint`` differs; ``None`` skips this check), written by another
+        linattn version, is damaged (a layer it lists missing or malformed) or is a
+        checkpoint of an unfinished conversion (without ``partial``).
     """
     from safetensors import safe_open
 
@@ -135,27 +161,59 @@ def load_maps(
             f"{path} was written by linattn {metadata.get('linattn_version')}; this is "
             f"{linattn.__version__}: refit the maps"
         )
-    scales = json.loads(metadata["scales"])
+    try:
+        scales = json.loads(metadata["scales"])
+        count = int(metadata["num_layers"])
+        options = json.loads(metadata["options"])
+        listed = json.loads(metadata["layers"]) if "layers" in metadata else None
+        complete = json.loads(metadata.get("complete", "true"))
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"{path} is damaged: its metadata lacks or garbles {error}") from None
+    if not isinstance(scales, list) or len(scales) != count:
+        raise ValueError(f"{path} is damaged: {count} layers but scales for {scales!r}")
+    try:
+        present = sorted(
+            {int(name.split(".")[1]) for name in tensors if name.endswith(".query_weight")}
+        )
+    except (IndexError, ValueError):
+        raise ValueError(f"{path} is damaged: tensors {sorted(tensors)}") from None
+    if listed is not None and present != listed:
+        raise ValueError(
+            f"{path} is damaged: it lists maps for layers {listed}, holds them for {present}"
+        )
+    if not complete and not partial:
+        raise ValueError(
+            f"{path} is the checkpoint of an unfinished conversion (maps for layers "
+            f"{present} of {count}): run the conversion again to resume it"
+        )
     layers: list[tuple[FeatureMap | None, np.ndarray | None]] = []
-    for layer in range(int(metadata["num_layers"])):
+    for layer in range(count):
         prefix = f"layer.{layer}."
         if f"{prefix}query_weight" not in tensors:
             layers.append((None, None))
             continue
-        tied = f"{prefix}key_weight" not in tensors
-        key_weight = tensors[f"{prefix}{'query' if tied else 'key'}_weight"]
-        far_weight = tensors[f"{prefix}far_weight"]
-        if key_weight.ndim == 2:  # one far weight (safetensors keeps 0-d arrays as (1,))
-            far_weight = far_weight.reshape(())
-        fm = FeatureMap.fitted(
-            tensors[f"{prefix}query_weight"],
-            tensors[f"{prefix}query_bias"],
-            key_weight=None if tied else tensors[f"{prefix}key_weight"],
-            key_bias=None if tied else tensors[f"{prefix}key_bias"],
-            far_weight=far_weight,
-            tied=tied,
-            scale=scales[layer],
-        )
+        try:
+            fm = _fitted_map(tensors, prefix, scales[layer])
+        except (KeyError, ValueError, TypeError) as error:
+            raise ValueError(f"{path} is damaged: layer {layer}'s map: {error}") from None
         assert fm.parameters is not None
         layers.append((fm, fm.parameters.far_weight))
-    return layers, json.loads(metadata["options"])
+    return layers, options
+
+
+def _fitted_map(tensors: Mapping[str, np.ndarray], prefix: str, scale: Any) -> FeatureMap:
+    """One layer's map from a file's tensors (``KeyError`` naming a missing one)."""
+    tied = f"{prefix}key_weight" not in tensors
+    key_weight = tensors[f"{prefix}{'query' if tied else 'key'}_weight"]
+    far_weight = tensors[f"{prefix}far_weight"]
+    if key_weight.ndim == 2:  # one far weight (safetensors keeps 0-d arrays as (1,))
+        far_weight = far_weight.reshape(())
+    return FeatureMap.fitted(
+        tensors[f"{prefix}query_weight"],
+        tensors[f"{prefix}query_bias"],
+        key_weight=None if tied else tensors[f"{prefix}key_weight"],
+        key_bias=None if tied else tensors[f"{prefix}key_bias"],
+        far_weight=far_weight,
+        tied=tied,
+        scale=scale,
+    )
