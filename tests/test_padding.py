@@ -17,8 +17,9 @@ import pytest
 import linattn as la
 
 # (NumPy warns of the padded rows' own NaN arithmetic: those rows are the caller's.)
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning",
-                                        "ignore:overflow:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning"
+)
 
 RNG = np.random.default_rng(3)
 #: Two sequences of 6 tokens, the first padded after 4; 2 heads, d = 4.

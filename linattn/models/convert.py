@@ -324,9 +324,10 @@ def convert_encoder(
     return ConvertedEncoder(attention, fits, options, fingerprint)
 
 
-def calibration_digest(
-    fit: Sequence[tuple[np.ndarray, np.ndarray]], validation: Sequence[tuple[np.ndarray, np.ndarray]]
-) -> str:
+Batches = Sequence[tuple[np.ndarray, np.ndarray]]
+
+
+def calibration_digest(fit: Batches, validation: Batches) -> str:
     """A digest of the calibration batches (their token ids and masks, in order): a
     checkpoint resumes only a conversion on the same texts.
 
