@@ -171,6 +171,7 @@ def normalise_call(
             f"feature_map must be a linattn.FeatureMap; got {type(feature_map).__name__}"
         )
     _dispatch.resolve_backend(backend)
+    build.check_counts(window, sink_keys)  # (before any path: a custom operator's types)
     if feature_map is not None and scale is not None and scale != feature_map.scale:
         raise ValueError(
             f"scale is the feature map's ({feature_map.scale}) when one is given; got {scale}"
@@ -401,14 +402,20 @@ def exact_parts_call(
     causal, state = options["causal"], options["state"]
     fields: dict[str, Any] = {}
     xp = c.info.xp
+    # Without a state in or out, the window and sinks need not reach beyond the keys.
+    exact = (
+        c.exact
+        if state is not None or options["return_state"]
+        else c.exact.within(c.info.key_length)
+    )
     if causal:
         found, fields = build.causal_parts(
-            xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, state, scale=c.scale,
+            xp, c.q, c.k, c.v, c.keep, exact, feature_map, state, scale=c.scale,
             statistics=c.statistics, chunk_size=c.chunk_size, plan=plan,
         )  # fmt: skip
     else:
         found = build.bidirectional_parts(
-            xp, c.q, c.k, c.v, c.keep, c.exact, feature_map, scale=c.scale,
+            xp, c.q, c.k, c.v, c.keep, exact, feature_map, scale=c.scale,
             statistics=c.statistics, chunk_size=c.chunk_size, plan=plan,
         )  # fmt: skip
     return ExactPartsCall(c.info, c.exact, found, fields, c.batch, c.keep)

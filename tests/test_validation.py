@@ -106,3 +106,31 @@ def test_an_empty_sequence_does_not_kill_the_interpreter() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "q must have at least one position" in done.stdout
+
+
+@pytest.mark.parametrize("window", [2.5, "3", True])
+def test_torch_tensors_get_the_same_window_error(window: object) -> None:
+    """(A raw custom-operator RuntimeError before; ``window=True`` was taken as 1.)"""
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(X)
+    expected = _error(la.linear_attention, X, X, X, FM, window=window)
+    assert _error(la.linear_attention, x, x, x, FM, window=window) == expected
+    assert expected[0] is ValueError and "window must be a positive integer" in expected[1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_window_or_sinks_beyond_the_keys_cost_nothing(causal: bool) -> None:
+    """``window=10**6`` on 6 tokens padded the band to a million keys (58 TiB asked,
+    MemoryError); without a state in or out it is the window of all the keys."""
+    import tracemalloc
+
+    exact = la.linear_attention(X, X, X, FM, causal=causal, window=6, sink_keys=6)
+    la.linear_attention(X, X, X, FM, causal=causal, window=10**9, sink_keys=10**9)  # (warm)
+    tracemalloc.start()
+    try:
+        out = la.linear_attention(X, X, X, FM, causal=causal, window=10**9, sink_keys=10**9)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(out, exact)
+    assert peak < 2**20  # (bytes: the inputs are 384 bytes each)

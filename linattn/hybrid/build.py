@@ -19,6 +19,7 @@ __all__ = [
     "ExactParts",
     "bidirectional_parts",
     "causal_parts",
+    "check_counts",
     "check_exact_parts",
     "state_arrays",
 ]
@@ -37,6 +38,13 @@ class ExactParts:
         """How far the far keys lag their queries: the window (0 without one)."""
         return self.window or 0
 
+    def within(self, length: int) -> ExactParts:
+        """The same attention for a call of ``length`` keys and no state: a window or
+        sinks beyond them cover them all (``window=10**6`` on 10 tokens padded its
+        band to a million keys: 58 TiB)."""
+        window = None if self.window is None else min(self.window, length)
+        return ExactParts(window, min(self.sink_keys, length), self.exact_key_mask)
+
 
 def _positive_int(name: str, value: object, *, allow_zero: bool) -> int:
     low = 0 if allow_zero else 1
@@ -44,6 +52,15 @@ def _positive_int(name: str, value: object, *, allow_zero: bool) -> int:
         expected = "a non-negative integer" if allow_zero else "a positive integer or None"
         raise ValueError(f"{name} must be {expected}; got {value!r}")
     return int(value)
+
+
+def check_counts(window: object, sink_keys: object) -> None:
+    """``window`` a positive integer or None, ``sink_keys`` a non-negative integer (what
+    every path, compiled ones included, must be given)."""
+    if window is not None:
+        _positive_int("window", window, allow_zero=False)
+    if sink_keys != 0:
+        _positive_int("sink_keys", sink_keys, allow_zero=True)
 
 
 def check_exact_parts(
