@@ -293,6 +293,17 @@ def exhaustive(session: nox.Session) -> None:
 
 
 @session(default=False)
+def fuzz(session: nox.Session) -> None:
+    """A hypothesis fuzz of the entry points: bad, extreme and padded arguments on NumPy
+    and torch (``tests/fuzz``; ``LINATTN_FUZZ_EXAMPLES``, default 10,000 cases)."""
+    session.install("-e", ".[numba]", TORCH, *TEST)
+    session.run(
+        "pytest", "tests/fuzz", "-p", "no:cacheprovider", *session.posargs,
+        env={"LINATTN_FUZZ": "1"},
+    )  # fmt: skip
+
+
+@session(default=False)
 def bench(session: nox.Session) -> None:
     """pytest-benchmark suites (speed and memory ratios measured in one run)."""
     session.install("-e", ".[numba,cli]", "pytest>=8", "pytest-benchmark>=4", TORCH)

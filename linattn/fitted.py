@@ -35,6 +35,7 @@ from linattn._xp import (
     Array,
     Namespace,
     array_device,
+    constant,
     from_host,
     is_array,
     log_softmax,
@@ -43,6 +44,7 @@ from linattn._xp import (
 )
 
 __all__ = [
+    "LOG_FLOOR",
     "ZERO_FAR_LOG",
     "FittedParameters",
     "add_cotangents",
@@ -412,10 +414,22 @@ def log_softmax_pairs_vjp(xp: Namespace, log_phi: Array, d_log: Array) -> Array:
     return d_z[..., :half] - d_z[..., half:]
 
 
+#: The floor of the log-features by compute dtype (the compiled passes' too:
+#: ``linattn_numba.cpu.scalars.log_floor``).  A product of two features one of which is
+#: at the floor is below the float range whatever the other and ``log g``, so no output
+#: changes; it bounds the shifts the scans take from the keys' features, whose rounding
+#: (``eps |shift|``) enters every weight: at weights x1e8 (float64) the features reach
+#: ``-1e8`` and the array-API scan was off by 0.37.
+LOG_FLOOR = {"float64": -3000.0, "float32": -420.0}
+
+
 def log_features(xp: Namespace, p: FittedParameters, x: Array, role: object) -> Array:
-    """Log-features of ``role``, ``(..., L, m)``; keys include ``log g``."""
+    """Log-features of ``role``, ``(..., L, m)``: the map's, floored at
+    :data:`LOG_FLOOR` (NaN stays NaN); keys' then include ``log g``."""
     log_phi = log_softmax_pairs(xp, projection(xp, p, x, role))
-    if role == "key":
+    floor = LOG_FLOOR["float64" if log_phi.dtype == xp.float64 else "float32"]
+    log_phi = xp.maximum(log_phi, constant(xp, floor, log_phi))
+    if role == "key":  # (after the floor: g = 0's ZERO_FAR_LOG still drops the far keys)
         log_phi = log_phi + far_log_shift(xp, p, x)
     return log_phi
 

@@ -7,7 +7,8 @@ The cache is on by default.  Its directory, first rule that applies:
 3. ``LINATTN_NUMBA_CACHE=<absolute directory>``;
 4. the user's cache directory: ``$XDG_CACHE_HOME/linattn/numba/<versions>``, or
    ``~/.cache/...`` where ``XDG_CACHE_HOME`` is not set (``~/Library/Caches`` on macOS,
-   ``%LOCALAPPDATA%`` on Windows), ``<versions>`` naming linattn's and Numba's.
+   ``%LOCALAPPDATA%`` on Windows), ``<versions>`` naming linattn's and Numba's versions
+   and a digest of the kernels' sources (:func:`sources_digest`).
 
 A directory that cannot be created or written means no cache, without an error (Numba
 itself would fall back to ``__pycache__`` beside the sources, or its own user-wide
@@ -29,6 +30,7 @@ Setting(directory=None, reason='off (LINATTN_NUMBA_CACHE=0)')
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -49,6 +51,7 @@ __all__ = [
     "release",
     "resolve",
     "size",
+    "sources_digest",
 ]
 
 VARIABLE = "LINATTN_NUMBA_CACHE"
@@ -89,8 +92,32 @@ def default_directory(environ: Mapping[str, str]) -> Path:
         base = Path.home() / "Library" / "Caches"
     else:
         base = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    versions = f"{_version('linattn')}-numba-{_version('numba')}"
+    versions = f"{_version('linattn')}-numba-{_version('numba')}-{sources_digest()}"
     return base / "linattn" / "numba" / versions
+
+
+def sources_digest() -> str:
+    """A digest of the kernels' source files (every ``.py`` of ``linattn_numba``).
+
+    Numba keys a cache entry by its function's own file only: a kernel whose callee in
+    another file changed loaded its old compiled code, callee and all (an edited
+    ``exact.merge_into`` kept running inside the cached ``bidirectional._forward``).  The
+    default directory names this digest, so that any change to the kernels' sources
+    starts a fresh cache (an explicit ``NUMBA_CACHE_DIR`` or ``LINATTN_NUMBA_CACHE`` is
+    the caller's to keep apart).
+
+    Examples
+    --------
+    >>> len(sources_digest())
+    12
+    """
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        with contextlib.suppress(OSError):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _writable(directory: Path) -> str | None:

@@ -46,6 +46,10 @@ def _float32_calls() -> None:
                 la.linear_attention(q, k, v, fm, causal=causal, window=window, sink_keys=2)
     la.linear_attention(q, k, v, None, causal=True, window=4)
     la.linear_attention_vjp(q, k, v, None, g, causal=True, window=4)
+    fitted = la.FeatureMap.fitted(rng.normal(size=(2, 8, 4)).astype(np.float32) * 1e3, tied=True,
+                                  far_weight=np.float32(0.5))  # fmt: skip
+    for causal in (True, False):  # (the fitted features' floor, the rows' rescue)
+        la.linear_attention(q, k, v, fitted, causal=causal, window=4, sink_keys=2)
     fm = la.FeatureMap(8, 16, seed=0)
     _, state = la.linear_attention(q, k, v, fm, causal=True, return_state=True)
     la.linear_attention(q[..., :1, :], k[..., :1, :], v[..., :1, :], fm, causal=True,

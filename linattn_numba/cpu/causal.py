@@ -76,11 +76,12 @@ def _forward(lq, lk, va, kv, mu, chunk, out, log_scale):
     batch, length, m = lq.shape
     for b in range(batch):
         work, square, vecs, state_out, product = chunk_workspace(chunk, m, va.shape[2], lq.dtype)
+        never = np.zeros(1, lq.dtype)[0]  # (no rescue: the backward shares the shifts)
         for t0 in range(0, length, chunk):
             t1 = min(t0 + chunk, length)
             chunk_forward(
                 lq[b][t0:t1], lk[b][t0:t1], va[b][t0:t1], kv[b], mu[b], out[b][t0:t1],
-                work, square, vecs, state_out, product, log_scale[b][t0:t1],
+                work, square, vecs, state_out, product, log_scale[b][t0:t1], never,
             )  # fmt: skip
 
 

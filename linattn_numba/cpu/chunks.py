@@ -28,6 +28,7 @@ __all__ = [
     "chunk_workspace",
     "key_features",
     "mask_later_keys",
+    "rescue_rows",
     "running_max",
     "shift_between",
 ]
@@ -192,12 +193,16 @@ def mask_later_keys(products, weights):
 
 
 @_jit()
-def chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, product, scale_out):
+def chunk_forward(
+    lq, lk, va, kv, mu, block, work, square, vecs, state_out, product, scale_out, rescue_below
+):  # fmt: skip
     """Unnormalised outputs of one chunk into ``block``; then ``(kv, mu)`` absorb its keys.
 
     ``scale_out`` gets each row's log-scale ``F_t + R_t`` (true ``[num | den]`` is
     ``exp(F_t + R_t)`` times the row) when it has the chunk's length; pass an empty
-    array to skip it.
+    array to skip it.  Rows whose denominator falls below ``rescue_below`` (0: never)
+    are computed again by :func:`rescue_rows` (forward-only passes: a backward would
+    recompute the shared shifts).
     """
     c, m = lq.shape
     d = va.shape[1]
@@ -219,7 +224,56 @@ def chunk_forward(lq, lk, va, kv, mu, block, work, square, vecs, state_out, prod
         weight = w[i]
         for e in range(d):
             block[i, e] += weight * state_out[i, e]
+    if rescue_below > 0:
+        rescue_rows(lq, lk, va, kv, ms, has_state, block, scale_out, rescue_below)
     absorb(lk, va, kv, mu, ms, phi, top, shift, decay, product, psi, g, True)
+
+
+@_jit()
+def rescue_rows(lq, lk, va, kv, ms, has_state, block, scale_out, below):
+    """Rows of :func:`chunk_forward` whose denominator fell below ``below``, again, shifted
+    by their own largest logit.
+
+    The chunk's shifts are shared: ``R_t``, the keys' running maximum of ``G_j = max_r
+    (l(k_j)_r - ms_r)``, is raised by a key whose features peak where the state holds
+    nothing (``ms_r`` far below 0), whatever the query weighs there.  With sharply
+    peaked fitted maps (weights x1e4 in float64) a row's every term then underflows
+    and its keys were lost.  Here the row's shift is the largest of ``l(q_t)_r + ms_r +
+    log S[r, d_v]`` (the state) and ``l(q_t)_r + l(k_j)_r`` (the chunk's keys ``j <=
+    t``), so its largest term is 1: ``O(m d + t m)`` per rescued row, rare.
+    """
+    c, m = lq.shape
+    d = va.shape[1]
+    neg = typed(-np.inf, ms[0])
+    for i in range(c):
+        if not block[i, d - 1] < below:  # (NaN rows stay as they are)
+            continue
+        top = neg
+        if has_state:
+            for r in range(m):
+                if kv[r, d - 1] > 0:
+                    top = larger(lq[i, r] + ms[r] + np.log(kv[r, d - 1]), top)
+        for j in range(i + 1):
+            for r in range(m):
+                top = larger(lq[i, r] + lk[j, r], top)
+        if not np.isfinite(top):
+            continue  # (no key: the row stays empty)
+        for e in range(d):
+            block[i, e] = 0
+        if has_state:
+            for r in range(m):
+                if kv[r, d - 1] > 0:
+                    f = fast_exp(lq[i, r] + ms[r] - top)
+                    for e in range(d):
+                        block[i, e] += f * kv[r, e]
+        for j in range(i + 1):
+            p = top - top
+            for r in range(m):
+                p += fast_exp(lq[i, r] + lk[j, r] - top)
+            for e in range(d):
+                block[i, e] += p * va[j, e]
+        if scale_out.shape[0] == c:
+            scale_out[i] = top
 
 
 @_jit()

@@ -159,7 +159,7 @@ def _decode(
                 t1 = min(t0 + size, length)
                 chunk_forward(
                     lq[t0:t1], lk[t0:t1], va[t0:t1], kv_out[b], mu_out[b], block[t0:t1],
-                    work, square, vecs, state_out, product, no_scale,
+                    work, square, vecs, state_out, product, no_scale, zero,
                 )  # fmt: skip
         for i in range(length):
             den = block[i, dv]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from linattn_numba import _machinery
-from linattn_numba.cpu.scalars import fast_exp
+from linattn_numba.cpu.scalars import fast_exp, log_floor
 
 __all__ = [
     "FEATURE_BLOCK",
@@ -88,10 +88,14 @@ def fitted_log_features(x, weight, bias, shift, proj, out):
     -u]) + shift``, ``u = x W + b`` (``weight`` ``(d, n)``, ``bias`` ``(n,)``, ``out``
     ``(c, 2 n)``, ``proj`` ``(c, n)`` scratch; ``shift`` is a key head's ``log g``, 0
     for queries).  ``logsumexp`` is shifted by ``max |u|``; NaN inputs stay NaN.
+    The map's entries are floored at :func:`~linattn_numba.cpu.scalars.log_floor` before
+    ``shift`` is added (no output changes: a product with one is below the float range;
+    the passes' shifts stay bounded).
     """
     c = x.shape[0]
     n = weight.shape[1]
     np.dot(x, weight, proj)
+    floor = log_floor(shift)
     for i in range(c):
         top = proj[i, 0] - proj[i, 0]
         for r in range(n):
@@ -101,10 +105,15 @@ def fitted_log_features(x, weight, bias, shift, proj, out):
         total = top - top
         for r in range(n):
             total += fast_exp(proj[i, r] - top) + fast_exp(-proj[i, r] - top)
-        offset = top + np.log(total) - shift
+        # ``u - top`` first, then the small terms: ``top + log(total) - shift`` rounded
+        # ``log g`` away at large weights (|u| ~ 1e16: a ulp of 2).
+        offset = np.log(total)
         for r in range(n):
-            out[i, r] = proj[i, r] - offset
-            out[i, n + r] = -proj[i, r] - offset
+            plus = (proj[i, r] - top) - offset
+            minus = (-proj[i, r] - top) - offset
+            # floored before the shift: a head with g = 0 (shift -inf) keeps no far keys
+            out[i, r] = (floor if plus < floor else plus) + shift  # (NaN stays)
+            out[i, n + r] = (floor if minus < floor else minus) + shift
 
 
 @_jit()

@@ -78,7 +78,7 @@ def _forward_fused(
                 scale = lse[b][s0 + t0 : s0 + t1]
                 chunk_forward(
                     lq[t0:t1], lk[t0:t1], va[t0:t1], kv[b], mu[b], block[:c],
-                    work, square, vecs, state_out, product, scale,
+                    work, square, vecs, state_out, product, scale, zero,
                 )  # fmt: skip
                 for i in range(scale.shape[0]):
                     # log(0) = -inf: a row that sees no key; NaN stays NaN.

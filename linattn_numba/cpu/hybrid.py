@@ -180,12 +180,12 @@ def _forward(
                         chunk_forward(
                             lq[t0:t1], lk[t0:t1], va[t0:t1], state, state_mu,
                             later[g0 : g0 + c], work, square, vecs, state_out, product,
-                            later_scale[g0 : g0 + c],
+                            later_scale[g0 : g0 + c], window_consts[3],
                         )  # fmt: skip
                         continue
                     chunk_forward(
                         lq[t0:t1], lk[t0:t1], va[t0:t1], state, state_mu, far[:c], work,
-                        square, vecs, state_out, product, far_scale[:c],
+                        square, vecs, state_out, product, far_scale[:c], window_consts[3],
                     )  # fmt: skip
                     if width and g0 >= back and g0 + c + ahead <= length:
                         exact_chunk(
@@ -280,7 +280,10 @@ def _launch(
         return contiguous(x, (n, *x.shape[x.ndim - tail :]))
 
     consts = readonly(np.array([0.5 * scale, 0.5 * np.log(m)], dtype=dtype))
-    window_consts = readonly(np.array([0.0, -np.inf, scale], dtype=dtype))
+    # [3]: the far rows' denominator below which a row is rescued (``chunks.rescue_rows``):
+    # what underflowed beneath it is below rounding against it.
+    rescue = np.sqrt(np.finfo(dtype).tiny)
+    window_consts = readonly(np.array([0.0, -np.inf, scale, rescue], dtype=dtype))
     scaled_projection = readonly(np.ascontiguousarray(np.sqrt(scale) * projection, dtype=dtype))
     out = np.empty((n, length, dv), dtype)
     chunk = chunk_length(_contract.check_chunk_size(chunk_size), length)
