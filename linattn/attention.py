@@ -169,7 +169,12 @@ def with_exact_heads(
             f"out must have shape (..., {count}, {q.shape[-2]}, {v.shape[-1]}) to match q and "
             f"v; got {tuple(out.shape)}"
         )
-    chosen = list(heads)
+    try:
+        chosen = list(heads)
+    except TypeError:
+        raise TypeError(
+            f"heads must be a sequence of query heads (integers); got {heads!r}"
+        ) from None
     if any(isinstance(h, bool) or not isinstance(h, int | np.integer) for h in chosen) or any(
         not 0 <= h < count for h in chosen
     ):

@@ -283,11 +283,14 @@ def test_weights_are_bit_identical(name: str) -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_save_then_load_into_a_fresh_copy(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """(4) The file restores the outputs exactly; another model's fingerprint is refused."""
+def test_save_then_load_into_a_fresh_copy(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """(4) The file restores the outputs exactly; another model's fingerprint is refused.
+    The config records the file's absolute path (a relative one broke a model loaded
+    from another directory)."""
     model, _ = _converted("bert")
-    path = save_fitted(model, tmp_path / "maps.safetensors")
-    assert model.config.linattn["fitted"] == str(path)
+    monkeypatch.chdir(tmp_path)
+    path = save_fitted(model, "maps.safetensors")
+    assert model.config.linattn["fitted"] == str((tmp_path / "maps.safetensors").resolve())
     batch = _batch(6)
     fresh = load_fitted(_bert(), path)
     assert fresh.config._attn_implementation == "linattn"

@@ -134,3 +134,24 @@ def test_a_window_or_sinks_beyond_the_keys_cost_nothing(causal: bool) -> None:
         tracemalloc.stop()
     np.testing.assert_array_equal(out, exact)
     assert peak < 2**20  # (bytes: the inputs are 384 bytes each)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("evaluate_every", 0), ("steps", -1), ("patience", 0), ("num_features", 63),
+     ("num_features", 0), ("learning_rate", float("nan")), ("steps", 2.5)],
+)  # fmt: skip
+def test_fit_layer_checks_its_options_first(option: str, value: object) -> None:
+    """(``evaluate_every=0`` was a ZeroDivisionError after the work had started.)"""
+    from linattn.transfer import LayerBatch, fit_layer
+
+    q = RNG.standard_normal((1, 2, 8, 4))
+    batch = LayerBatch(q, q, q, key_mask=np.ones((1, 8), bool))
+    with pytest.raises(ValueError, match=f"^{option} must be"):
+        fit_layer([batch], [batch], window=2, **{"num_features": 8, "steps": 2, option: value})
+
+
+def test_with_exact_heads_names_heads() -> None:
+    out = la.linear_attention(X, X, X, FM)
+    with pytest.raises(TypeError, match="heads must be a sequence of query heads"):
+        la.with_exact_heads(out, X, X, X, None)  # type: ignore[arg-type]

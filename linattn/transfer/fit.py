@@ -5,6 +5,7 @@ the exact parts alone there (:data:`MIN_GAIN`), and what it found (:class:`Layer
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -192,6 +193,8 @@ def fit_layer(
     """
     if not fit or not validation:
         raise ValueError("fit and validation must each hold at least one LayerBatch")
+    _check_options(num_features=num_features, steps=steps, evaluate_every=evaluate_every,
+                   patience=patience, learning_rate=learning_rate)  # fmt: skip
     with one_blas_thread(), pieces_run(namespace_of({"q": fit[0].q})) as run:
         return _fit_layer(
             fit, validation, num_features=num_features, window=window, sink_keys=sink_keys,
@@ -199,6 +202,39 @@ def fit_layer(
             evaluate_every=evaluate_every, patience=patience, seed=seed, progress=progress,
             run=run,
         )  # fmt: skip
+
+
+def _check_options(
+    *, num_features: object, steps: object, evaluate_every: object, patience: object,
+    learning_rate: object,
+) -> None:  # fmt: skip
+    """The fit's numeric options, before anything runs (``evaluate_every=0`` was a
+    ZeroDivisionError, ``num_features=63`` a traceback after a layer's work)."""
+    counts = {
+        "steps": (steps, 0),
+        "evaluate_every": (evaluate_every, 1),
+        "patience": (patience, 1),
+    }
+    for name, (value, low) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+            kind = "a non-negative" if low == 0 else "a positive"
+            raise ValueError(f"{name} must be {kind} integer; got {value!r}")
+    if (
+        isinstance(num_features, bool)
+        or not isinstance(num_features, int | np.integer)
+        or num_features < 2
+        or num_features % 2
+    ):
+        raise ValueError(
+            "num_features must be an even integer of at least 2 (a fitted map's features "
+            f"come in pairs, [u, -u]); got {num_features!r}"
+        )
+    if (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, int | float | np.floating)
+        or not (math.isfinite(learning_rate) and learning_rate > 0)
+    ):
+        raise ValueError(f"learning_rate must be a positive finite number; got {learning_rate!r}")
 
 
 def _fit_layer(

@@ -74,8 +74,9 @@ def save_fitted(model: Model, path: str | Path) -> Path:
 
     :func:`linattn.transfer.save_maps` with the model's fingerprint
     (:func:`model_fingerprint`) and the options (``config.linattn``'s, each map's module
-    name and weights' fingerprint).  ``config.linattn["fitted"]`` becomes ``str(path)``,
-    so a model saved with ``save_pretrained`` afterwards finds the file when loaded.
+    name and weights' fingerprint).  ``config.linattn["fitted"]`` becomes the file's
+    absolute path (a relative one broke a model loaded from another directory), so a
+    model saved with ``save_pretrained`` afterwards finds the file when loaded.
 
     Raises
     ------
@@ -98,7 +99,7 @@ def save_fitted(model: Model, path: str | Path) -> Path:
         model_fingerprint=model_fingerprint(model),
         options=options,
     )
-    model.config.linattn = {**settings, "fitted": str(path)}
+    model.config.linattn = {**settings, "fitted": str(Path(path).resolve())}
     return written
 
 
@@ -149,7 +150,7 @@ def load_fitted(
     for module, module_heads, (fm, _) in zip(modules, heads, layers, strict=True):
         fitted = {} if fm is None else {"fitted": fm}
         update(module, exact_heads=tuple(module_heads), **fitted)
-    model.config.linattn = {**settings, "fitted": str(path)}
+    model.config.linattn = {**settings, "fitted": str(Path(path).resolve())}
     use_linattn(model)
     return model
 
