@@ -141,9 +141,9 @@ def test_every_entry_point_errs_alike_or_answers_alike(case: dict[str, Any]) -> 
             p = fm.parameters
             for dense in (True, False):
                 got = fitted_attention(
-                    tq, tk, tv, torch.from_numpy(np.asarray(p.query_weight)),
-                    torch.from_numpy(np.asarray(p.query_bias)), tied=True,
-                    far_weight=torch.from_numpy(np.asarray(p.far_weight)), dense=dense,
+                    tq, tk, tv, torch.from_numpy(np.array(p.query_weight)),
+                    torch.from_numpy(np.array(p.query_bias)), tied=True,
+                    far_weight=torch.from_numpy(np.array(p.far_weight)), dense=dense,
                     **{n: x for n, x in torch_options.items() if n != "chunk_size"},
                     chunk_size=options["chunk_size"] if not dense else None,
                 )  # fmt: skip
