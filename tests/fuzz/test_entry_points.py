@@ -110,6 +110,7 @@ def test_every_entry_point_errs_alike_or_answers_alike(case: dict[str, Any]) -> 
     fm, options = case["feature_map"], case["options"]
     planned = _outcome(la.plan_attention, q, k, v, fm, **options)
     auto = _outcome(la.linear_attention, q, k, v, fm, **options)
+    hypothesis.event(f"{auto[0]}: {planned[1].executor if planned[0] == 'ok' else 'rejected'}")
     if auto[0] == "error":
         assert planned == auto  # (the same error, before any plan)
         return
