@@ -14,11 +14,13 @@ The model folder comes from ``--model PATH`` or, for ``minilm``, from the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from linattn.cli import main
 
 if __name__ == "__main__":
+    os.environ.setdefault("LINATTN_COMPILE", "foreground")  # (timed: kernels compile in the call)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="minilm", help="model folder, or minilm")
     parser.add_argument("--texts", type=int, default=None, help="the first N texts")

@@ -13,6 +13,7 @@ by all layers, for two seeds.  Run (a few minutes per seed on 2 cores)::
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -53,4 +54,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("LINATTN_COMPILE", "foreground")  # (timed: kernels compile in the call)
     main()

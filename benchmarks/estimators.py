@@ -16,6 +16,7 @@ Each row is also one ``linattn accuracy`` call (the same study), e.g.
 from __future__ import annotations
 
 import math
+import os
 
 from linattn.cli._accuracy import accuracy_study, parse_estimator
 from linattn.cli._backends import load_library
@@ -81,4 +82,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("LINATTN_COMPILE", "foreground")  # (timed: kernels compile in the call)
     main()

@@ -951,4 +951,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("LINATTN_COMPILE", "foreground")  # (timed: kernels compile in the call)
     sys.exit(main())

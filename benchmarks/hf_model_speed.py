@@ -366,4 +366,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("LINATTN_COMPILE", "foreground")  # (timed: kernels compile in the call)
     main()

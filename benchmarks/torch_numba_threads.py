@@ -10,6 +10,7 @@ with exact parts took before the ``torch-kernels`` executor).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -59,4 +60,5 @@ def main(torch_threads: int, numba_threads: int, backend: str | None = None) -> 
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("LINATTN_COMPILE", "foreground")  # (timed: kernels compile in the call)
     main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4])

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import linattn as la
+from linattn._dispatch import Backend
 from linattn._xp import to_host
 from linattn.cli._backends import ArrayLibrary
 from linattn.features import SOFTMAX_KINDS, kind_spec
@@ -185,7 +186,7 @@ def accuracy_study(
     causal: bool = False,
     metrics: Sequence[str] = tuple(METRICS),
     on_step: Step = no_step,
-    backend: str | None = None,
+    backend: Backend | None = None,
 ) -> list[AccuracyRow]:
     """Error of each estimator against exact softmax attention, per feature count.
 
@@ -246,7 +247,7 @@ def _accuracy_study(
     causal: bool,
     metrics: Sequence[str],
     on_step: Step,
-    backend: str | None = None,
+    backend: Backend | None = None,
 ) -> list[AccuracyRow]:
     unknown = [metric for metric in metrics if metric not in METRICS]
     if unknown:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from linattn import _dispatch, _warm
+from linattn._dispatch import Backend
 from linattn.cli import _preflight as preflight
 from linattn.cli import _report as report
 from linattn.cli._accuracy import accuracy_study
@@ -87,7 +88,7 @@ def _run_accuracy(
     bar: Any,
     causal: bool,
     metrics: Sequence[str] = ("mse", "tv"),
-    backend: str | None = None,
+    backend: Backend | None = None,
 ) -> list[Any]:
     task = bar.add_task(
         "accuracy vs m", total=len(args.estimators) * len(args.num_features) * args.seeds
