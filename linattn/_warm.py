@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "STALE_SECONDS",
     "VARIABLE",
     "cold",
+    "foreground",
     "mode",
     "ran",
     "reset",
@@ -90,6 +91,21 @@ def mode(environ: Mapping[str, str] = os.environ) -> str:
     if value not in MODES:
         raise ValueError(f"${VARIABLE} must be one of {MODES}; got {value!r}")
     return value
+
+
+@contextlib.contextmanager
+def foreground() -> Iterator[None]:
+    """Kernels compile in the call while the block runs (``linattn compile``, whose work
+    is compiling, and ``linattn bench``, whose timed calls must run the kernels)."""
+    saved = os.environ.get(VARIABLE)
+    os.environ[VARIABLE] = "foreground"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(VARIABLE, None)
+        else:
+            os.environ[VARIABLE] = saved
 
 
 def reset() -> None:

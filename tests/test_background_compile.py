@@ -202,3 +202,23 @@ def test_a_fused_executor_waiting_for_its_kernels_says_so(background: list[Any])
     assert reasons["fused-causal"] == _warm.REASON
     assert reasons["decode"] == "no state to continue"  # (asked before: its own words)
     assert "backend=" not in str(plan)
+
+
+def test_linattn_compile_compiles_in_the_call(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``linattn compile`` (and ``linattn bench``) run their calls in the foreground:
+    under the default mode they took the portable path and compiled nothing."""
+    from linattn import cli
+    from linattn.cli import _compile
+
+    monkeypatch.setenv(_warm.VARIABLE, "background")
+    seen: list[str] = []
+    monkeypatch.setattr(
+        _compile, "CALLS", {"probe": lambda q, k, v, fm: seen.append(_warm.mode())}
+    )
+    monkeypatch.setattr(_compile, "SIZES", {"small": (1, 1, 4, 2, 2)})
+    assert cli.main(["compile", "--dtypes", "float64", "--format", "json"]) == 0
+    capsys.readouterr()
+    assert seen == ["foreground"]
+    assert os.environ[_warm.VARIABLE] == "background"  # (restored)

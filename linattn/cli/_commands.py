@@ -278,7 +278,7 @@ def bench(args: argparse.Namespace) -> int:
     library = preflight.library_for(args)
     preflight.check_bench_limits(args, setup, library)
     header = _machine_header(library, _bench_settings(setup, library))
-    with progress(args.format == "table") as bar:
+    with progress(args.format == "table") as bar, _warm.foreground():  # (timed: the kernels)
         rows = _run_bench(args, library, setup, bar, args.methods, args.modes)
     found = crossovers(rows)
     payload = {

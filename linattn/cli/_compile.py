@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import linattn as la
-from linattn import _dispatch
+from linattn import _dispatch, _warm
 from linattn.cli._console import Console
 from linattn.cli._machine import import_optional
 from linattn.cli._report import compact_table, json_text, key_value_table
@@ -147,15 +147,16 @@ def compile_kernels(args: argparse.Namespace) -> int:
     console.print(key_value_table("linattn compile", {"numba-cpu": numba_cpu}))
     start = time.perf_counter()
     rows = []
-    for dtype in args.dtypes:
-        console.print(f"compiling for {dtype} ...")
-        for row in warm_up(dtype):
-            rows.append(row)
-            compiled = sum(k["source"] == "compiled" for k in row["kernels"])
-            console.print(
-                f"  {row['call']} ({row['size']} size): {row['seconds']:.1f} s, "
-                f"{compiled} kernels compiled, {len(row['kernels']) - compiled} loaded"
-            )
+    with _warm.foreground():  # (compiling is the command's work, not a background job's)
+        for dtype in args.dtypes:
+            console.print(f"compiling for {dtype} ...")
+            for row in warm_up(dtype):
+                rows.append(row)
+                compiled = sum(k["source"] == "compiled" for k in row["kernels"])
+                console.print(
+                    f"  {row['call']} ({row['size']} size): {row['seconds']:.1f} s, "
+                    f"{compiled} kernels compiled, {len(row['kernels']) - compiled} loaded"
+                )
     total = time.perf_counter() - start
     if args.format == "json":
         print(json_text({"kernels": numba_cpu, "seconds": round(total, 3), "calls": rows}), end="")
