@@ -117,8 +117,10 @@ class Call(NamedTuple):
 
 
 def hybrid_options(**options: Any) -> dict[str, Any]:
-    """The hybrid's options that were set (``window``, ``sink_keys``...; the executors
-    check their values), for layers that pass them on."""
+    """The hybrid's options that were set (``window``, ``sink_keys``...), for layers that
+    pass them on; ``window`` and ``sink_keys`` checked first, as every call checks them
+    (a layer made with ``window=0`` dropped it and ran without a window)."""
+    build.check_counts(options.get("window"), options.get("sink_keys", 0))
     return {name: value for name, value in options.items() if value not in (None, 0)}
 
 

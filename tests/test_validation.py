@@ -155,3 +155,33 @@ def test_with_exact_heads_names_heads() -> None:
     out = la.linear_attention(X, X, X, FM)
     with pytest.raises(TypeError, match="heads must be a sequence of query heads"):
         la.with_exact_heads(out, X, X, X, None)  # type: ignore[arg-type]
+
+
+def test_torch_layers_check_window_and_sinks_when_made() -> None:
+    """(``window=0`` was dropped: the layer ran without a window.)"""
+    pytest.importorskip("torch")
+    from linattn.torch import FastAttention
+
+    for window, sinks in ((0, 0), (2.5, 0), (True, 0), (None, -1)):
+        with pytest.raises(ValueError, match="must be a"):
+            FastAttention(4, 8, window=window, sink_keys=sinks)
+
+
+def test_multihead_attention_takes_per_call_causal_masks() -> None:
+    """nn.TransformerDecoderLayer passes ``is_causal=True`` with a causal mask: the
+    default map raised (OPRF needs fixed statistics for causal calls)."""
+    torch = pytest.importorskip("torch")
+    from linattn.torch import MultiheadAttention
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerDecoderLayer(16, 2, dim_feedforward=32, dropout=0.0,
+                                             batch_first=True)  # fmt: skip
+    layer.self_attn = MultiheadAttention.from_torch(layer.self_attn)
+    x = torch.randn(2, 6, 16)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(6)
+    out = layer(x, x, tgt_mask=mask, tgt_is_causal=True)
+    later = x.clone()
+    later[:, -1] += 1.0  # (a later token changes no earlier output)
+    again = layer(later, x, tgt_mask=mask, tgt_is_causal=True)
+    assert torch.equal(out[:, :-1], again[:, :-1])
+    assert not torch.equal(out[:, -1], again[:, -1])

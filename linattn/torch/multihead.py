@@ -36,7 +36,9 @@ class MultiheadAttention(nn.Module):
         ``attn_mask``).
     **options
         Passed to :class:`FastAttention` (``num_features``, ``kind``, ``redraw_interval``,
-        ``seed``, ...).
+        ``seed``, ...); without ``feature_map`` the default is ``kind="hyperbolic",
+        rebalance=False``, which serves causal and bidirectional calls alike (each call
+        may choose: ``is_causal=True``, a causal ``attn_mask``).
 
     Examples
     --------
@@ -96,6 +98,13 @@ class MultiheadAttention(nn.Module):
             self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim, **factory)) if bias else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if "feature_map" not in options:
+            # A drop-in's calls choose causal per call (``is_causal``, a causal
+            # ``attn_mask``: nn.TransformerDecoderLayer's): by default a map that needs no
+            # statistics, which serves both (OPRF and rebalancing need them fixed for
+            # causal calls, and raised there).
+            options.setdefault("kind", "hyperbolic")
+            options.setdefault("rebalance", False)
         self.attention = FastAttention(self.head_dim, causal=causal, **options)
         self.attention.to(device)
         self._reset_parameters()
