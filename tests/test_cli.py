@@ -565,3 +565,30 @@ def test_convert_names_its_bad_options(tmp_path: Path, capsys: pytest.CaptureFix
     folder.mkdir()
     error = _error_of(["accuracy", "--model", "minilm", "--fitted", str(folder)], capsys)
     assert f"--fitted {folder}" in error
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"--num-features": "63"}, "--num-features must be an even integer"),
+        ({"--out": "FILE"}, "must be a folder"),
+        ({"--texts": "LATIN1"}, "must be UTF-8 text"),
+    ],
+)  # fmt: skip
+def test_convert_names_a_bad_option_before_any_work(
+    change: dict[str, str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(Each ended in a traceback, two of them after a layer had been fitted.)"""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("one text\nanother text\n")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 au lait\nsecond\n".encode("latin-1"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    values = {"--texts": str(texts), "--out": str(tmp_path / "out"), "--num-features": "8"}
+    values.update(
+        {k: {"FILE": str(a_file), "LATIN1": str(latin)}.get(v, v) for k, v in change.items()}
+    )
+    argv = ["convert", "--model", "minilm", *(x for pair in values.items() for x in pair)]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -32,6 +32,10 @@ def read_texts(path: Path) -> list[str]:
         lines = Path(path).read_text("utf-8").splitlines()
     except OSError as error:
         raise CommandError(f"--texts {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise CommandError(
+            f"--texts {path}: must be UTF-8 text; byte {error.start} is not ({error.reason})"
+        ) from None
     texts = [line.strip() for line in lines if line.strip()]
     if len(texts) < 2:
         raise CommandError(
@@ -47,12 +51,19 @@ def convert(args: argparse.Namespace) -> int:
     from linattn.models.convert import convert_encoder, length_batches, save_fitted
 
     texts = read_texts(args.texts)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out}: must be a folder (it holds {FITTED_FILE}); got a file")
+    if args.num_features < 2 or args.num_features % 2:
+        raise CommandError(
+            "--num-features must be an even integer of at least 2 (a fitted map's features "
+            f"come in pairs); got {args.num_features}"
+        )
     try:
         model = load_model(args.model)
     except (ModelUnavailable, ValueError) as error:
         raise CommandError(f"--model {args.model}: {error}") from None
     tokens = model.tokenize(texts)
-    out = Path(args.out)
     index = np.arange(len(texts))
     validation = index % args.validation_every == args.validation_every - 1
     console = Console()
@@ -63,19 +74,22 @@ def convert(args: argparse.Namespace) -> int:
         f"m = {args.num_features}, at most {args.steps} steps per layer"
     )
     start = time.perf_counter()
-    done = convert_encoder(
-        model.encoder,
-        length_batches(tokens.input_ids, tokens.key_mask, index[~validation], args.batch_size),
-        length_batches(tokens.input_ids, tokens.key_mask, index[validation], args.batch_size),
-        window=args.window,
-        sink_keys=args.sink_keys,
-        num_features=args.num_features,
-        steps=args.steps,
-        seed=args.seed,
-        exact_heads=args.exact_heads,
-        progress=lambda line: console.print(line),
-        checkpoint=out / FITTED_FILE,
-    )
+    try:
+        done = convert_encoder(
+            model.encoder,
+            length_batches(tokens.input_ids, tokens.key_mask, index[~validation], args.batch_size),
+            length_batches(tokens.input_ids, tokens.key_mask, index[validation], args.batch_size),
+            window=args.window,
+            sink_keys=args.sink_keys,
+            num_features=args.num_features,
+            steps=args.steps,
+            seed=args.seed,
+            exact_heads=args.exact_heads,
+            progress=lambda line: console.print(line),
+            checkpoint=out / FITTED_FILE,
+        )
+    except ValueError as error:  # (an option or a checkpoint the conversion refuses)
+        raise CommandError(str(error)) from None
     seconds = time.perf_counter() - start
     path = save_fitted(out / FITTED_FILE, done)
     report = {
