@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import linattn as la
-from linattn import _dispatch
+from linattn import _dispatch, _warm
 from linattn.cli import _backends
 from linattn.cli._backends import ARRAY_LIBRARIES, BackendUnavailable
 from linattn.cli._commands import causal_path
@@ -120,6 +120,17 @@ def _numba_threads() -> str:
     return str(numba.config.NUMBA_NUM_THREADS)
 
 
+def _compile_mode() -> str:
+    """Where kernels that are not compiled yet compile (:mod:`linattn._warm`)."""
+    try:
+        mode = _warm.mode()
+    except ValueError as error:
+        return str(error)
+    if mode == "background":
+        return "background (NumPy calls run portable while their kernels compile apart)"
+    return "foreground (the first call of a kernel compiles it)"
+
+
 def info(args: argparse.Namespace) -> int:
     """``linattn info``: print what is installed and what can run here."""
     versions = {name: _version(name) for name in PACKAGES}
@@ -129,6 +140,7 @@ def info(args: argparse.Namespace) -> int:
     settings = {
         "$LINATTN_BACKEND": os.environ.get(_dispatch.ENVIRONMENT_VARIABLE, "(unset: auto)"),
         "numba threads": _numba_threads(),
+        "$LINATTN_COMPILE": _compile_mode(),
     }
     machine = machine_info()
     plans = _plan_report()
