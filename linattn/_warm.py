@@ -53,6 +53,7 @@ from linattn._call import Call
 __all__ = [
     "JOB_MAX_LENGTH",
     "JOB_MODULE",
+    "MAX_JOBS",
     "MODES",
     "REASON",
     "STALE_SECONDS",
@@ -77,6 +78,10 @@ JOB_MODULE = "linattn.cli._warm_job"
 JOB_MAX_LENGTH = 1024
 #: A background job still marked as running after this long is taken for dead.
 STALE_SECONDS = 900.0
+#: Background jobs of one cache running at once (each is a Python process with Numba,
+#: a few hundred MB; they compile one after another under the cache's lock anyway): a
+#: script with many kinds of calls starts the others as these end.
+MAX_JOBS = 2
 
 # Per kind of call (its key): True once its kernels may run in this process.
 _READY: dict[tuple[Any, ...], bool] = {}
@@ -161,12 +166,18 @@ def cold(executor: str, call: Call, *, start: bool = True) -> str | None:
     if not start:
         return REASON
     with _LOCK:
-        if key not in _STARTED:
+        if key not in _STARTED and _running(stem.parent) < MAX_JOBS:
             _STARTED.add(key)
             if not _start(stem, call):
                 _READY[key] = True
                 return None
-    return REASON
+    return REASON  # (with MAX_JOBS running already: a later call starts this one)
+
+
+def _running(folder: Path) -> int:
+    """Background jobs of this cache running now (their fresh ``.pending`` markers)."""
+    now = time.time()
+    return sum(now - _mtime(p) < STALE_SECONDS for p in folder.glob("*.pending"))
 
 
 def wait(timeout: float = 600.0, poll: float = 0.2) -> float:

@@ -222,3 +222,18 @@ def test_linattn_compile_compiles_in_the_call(
     capsys.readouterr()
     assert seen == ["foreground"]
     assert os.environ[_warm.VARIABLE] == "background"  # (restored)
+
+
+def test_at_most_max_jobs_run_at_once(background: list[Any], tmp_path: Path) -> None:
+    """Many kinds of calls start at most MAX_JOBS processes; the rest start later."""
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    for i in range(_warm.MAX_JOBS):
+        (warm / f"other{i}.pending").write_text("1")
+    q, k, v = _window_call()
+    la.linear_attention(q, k, v, None, causal=True, window=4)
+    assert background == []  # (slots full: portable, no job)
+    for marker in warm.glob("*.pending"):
+        marker.unlink()
+    la.linear_attention(q, k, v, None, causal=True, window=4)
+    assert len(background) == 1  # (a later call starts it)
