@@ -185,3 +185,24 @@ def test_multihead_attention_takes_per_call_causal_masks() -> None:
     again = layer(later, x, tgt_mask=mask, tgt_is_causal=True)
     assert torch.equal(out[:, :-1], again[:, :-1])
     assert not torch.equal(out[:, -1], again[:, -1])
+
+
+def test_the_transformers_integration_names_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(Without transformers, importing it was a bare ModuleNotFoundError.)"""
+    import importlib
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    monkeypatch.delitem(sys.modules, "linattn.integrations.transformers._requires", raising=False)
+    with pytest.raises(
+        ModuleNotFoundError, match=r"needs transformers: pip install 'linattn\[transformers\]'"
+    ):
+        importlib.import_module("linattn.integrations.transformers._requires")

@@ -43,7 +43,7 @@ INSTALL_HINT = (
     "or pass the path of a folder with model.safetensors, config.json and tokenizer.json"
 )
 READERS_HINT = (
-    "reading the model needs safetensors and tokenizers: pip install safetensors tokenizers"
+    "reading the model needs safetensors and tokenizers: pip install 'linattn[models]'"
 )
 
 

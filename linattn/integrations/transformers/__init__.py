@@ -29,6 +29,7 @@ attention module, one :class:`LinattnState` record (:func:`state_of`).
 
 from __future__ import annotations
 
+from linattn.integrations.transformers import _requires  # noqa: F401 (first: names what is missing)
 from linattn.integrations.transformers.attention import (
     attention_forward,
     key_mask_from,
