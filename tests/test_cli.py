@@ -582,7 +582,7 @@ def test_convert_names_a_bad_option_before_any_work(
     texts = tmp_path / "texts.txt"
     texts.write_text("one text\nanother text\n")
     latin = tmp_path / "latin1.txt"
-    latin.write_bytes("caf\xe9 au lait\nsecond\n".encode("latin-1"))
+    latin.write_bytes(b"\xff is no UTF-8\nsecond\n")
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     values = {"--texts": str(texts), "--out": str(tmp_path / "out"), "--num-features": "8"}
