@@ -93,7 +93,6 @@ def test_torch_fitted_attention(dense: bool) -> None:
 
 def test_jax_fitted_attention() -> None:
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     from linattn.jax import fitted_attention
 
     def attend(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Any:
@@ -103,4 +102,9 @@ def test_jax_fitted_attention() -> None:
             key_mask=jax.numpy.asarray(MASK), **options,
         )  # fmt: skip
 
-    _check(attend)
+    x64 = jax.config.jax_enable_x64  # (float64 here; the session's setting restored after)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        _check(attend)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
