@@ -226,10 +226,7 @@ def run_call(call: Call) -> Result:
     if runs is not call:  # (its kernels compile in the background, on another core)
         with _dispatch.single_threaded_blas():
             return executor.run(runs, scan, run_call)
-    result = executor.run(call, scan, run_call)
-    if executor.uses_kernels(call, scan):
-        _warm.ran(executor.name, call)
-    return result
+    return executor.run(call, scan, run_call)
 
 
 sub_calls.set_runner(run_call)  # (for the torch operators, which run outside a call)

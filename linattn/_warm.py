@@ -61,7 +61,6 @@ __all__ = [
     "cold",
     "foreground",
     "mode",
-    "ran",
     "reset",
     "wait",
 ]
@@ -125,7 +124,7 @@ def _key(executor: str, call: Call) -> tuple[Any, ...]:
     dtype, and what chooses among a path's kernels (causal, exact parts, a state)."""
     return (
         executor,
-        str(call.q.dtype),
+        call.q.dtype,
         bool(call.causal),
         call.window is not None,
         call.sink_keys != 0,
@@ -136,28 +135,26 @@ def _key(executor: str, call: Call) -> tuple[Any, ...]:
     )
 
 
-def ran(executor: str, call: Call) -> None:
-    """Note that ``call``'s kernels ran in this process (ready from now on)."""
-    _READY[_key(executor, call)] = True
-
-
 def cold(executor: str, call: Call, *, start: bool = True) -> str | None:
     """:data:`REASON` where ``call``, which ``executor`` would run on compiled kernels,
     should take the portable path while they compile in the background (started here,
     once per kind of call, unless ``start=False``: a plan only explained); ``None``
-    where it runs its kernels now."""
+    where it runs its kernels now (a call about to run then compiles or loads them: its
+    kind is ready in this process from then on, and asks nothing more)."""
     key = _key(executor, call)
     if _READY.get(key):
         return None
+    directory = None
     if (
-        call.backend not in (None, "auto")
-        or _dispatch.resolve_backend(call.backend) != "auto"
-        or _dispatch.library_of(call.q) != "numpy"
-        or mode() != "background"
+        call.backend in (None, "auto")
+        and _dispatch.resolve_backend(call.backend) == "auto"
+        and _dispatch.library_of(call.q) == "numpy"
+        and mode() == "background"
     ):
-        return None
-    directory = _dispatch.cache_directory()
-    if directory is None:
+        directory = _dispatch.cache_directory()
+    if directory is None:  # (the kernels compile in the call)
+        if start:
+            _READY[key] = True
         return None
     stem = directory / "warm" / _digest(key)
     if stem.with_suffix(".ready").exists() or stem.with_suffix(".failed").exists():
