@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from linattn_numba import _machinery
-from linattn_numba.cpu.scalars import fast_exp, finite_shift, larger, typed
+from linattn_numba.cpu.scalars import fast_exp, finite_shift, larger, root_tiny, typed
 
 __all__ = [
     "add_row",
@@ -215,14 +215,45 @@ def merge_into(far, i, far_scale, later, s, later_scale, numerators, r, den, top
     """``out[t] = P[:d_v] / P[d_v]`` for ``P = a far[i] + b later[s] + c [numerators[r] |
     den]``: the forward far keys, the reverse far keys (bidirectional; a zero row
     otherwise) and the exact keys, each partial's true row being ``exp(scale) [num |
-    den]``; ``0`` where nothing is seen.
+    den]``, ``a, b, c`` their scales against the largest (online softmax); ``0`` where
+    nothing is seen.
 
-    The shift is the largest of the partials' log-denominators ``scale + log(den)``, not
-    of their scales: a partial whose scale is large but whose denominator is tiny (a
-    sharply peaked fitted map's far keys) must not push the others below the float
-    range (the merge lost the exact keys, off by 0.4 at weights x1e4 in float64).  Each
-    partial enters as its own normalised row times its share of the mass.
+    Where the merged denominator falls below :func:`~linattn_numba.cpu.scalars.root_tiny`
+    (a partial whose scale is large but whose denominator is tiny, a sharply peaked
+    fitted map's far keys, pushed the others below the float range: off by 0.4 at
+    weights x1e4 in float64), :func:`_merge_by_mass` merges the row again.
     """
+    dv = out.shape[1]
+    far_den, later_den = far[i, dv], later[s, dv]
+    if far_den == 0:
+        far_scale = typed(-np.inf, zero)  # a row that saw no far key holds nothing
+    if later_den == 0:
+        later_scale = typed(-np.inf, zero)
+    both = top
+    if later_scale > both or later_scale != later_scale:  # (a NaN scale stays)
+        both = later_scale
+    if far_scale > both or far_scale != far_scale:
+        both = far_scale
+    both = finite_shift(both, zero)
+    a = fast_exp(far_scale - both)
+    b = fast_exp(later_scale - both)
+    c = fast_exp(top - both)
+    total = a * far_den + b * later_den + c * den
+    if total < root_tiny(zero):  # (NaN takes the first form)
+        _merge_by_mass(far, i, far_scale, later, s, later_scale, numerators, r, den, top,
+                       zero, out, t)  # fmt: skip
+        return
+    a, b, c = a / total, b / total, c / total
+    for e in range(dv):
+        out[t, e] = a * far[i, e] + b * later[s, e] + c * numerators[r, e]
+
+
+@_jit()
+def _merge_by_mass(far, i, far_scale, later, s, later_scale, numerators, r, den, top, zero,
+                   out, t):  # fmt: skip
+    """:func:`merge_into` shifted by the largest of the partials' log-denominators
+    ``scale + log(den)``, not of their scales: each partial enters as its own normalised
+    row times its share of the mass (``0`` where nothing is seen)."""
     dv = out.shape[1]
     far_den, later_den = far[i, dv], later[s, dv]
     masses = (

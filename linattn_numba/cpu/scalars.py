@@ -25,7 +25,15 @@ from numba.extending import intrinsic, overload
 
 from linattn_numba import _machinery
 
-__all__ = ["fast_exp", "finite_shift", "larger", "log_floor", "safe_shift", "typed"]
+__all__ = [
+    "fast_exp",
+    "finite_shift",
+    "larger",
+    "log_floor",
+    "root_tiny",
+    "safe_shift",
+    "typed",
+]
 
 _jit = _machinery.jit
 
@@ -146,6 +154,22 @@ def _log_floor_overload(like):
         return lambda like: np.float32(-420.0)
     if like == types.float64:
         return lambda like: np.float64(-3000.0)
+    return None
+
+
+def root_tiny(like):
+    """``sqrt`` of the smallest normal number of ``like``'s float type, inside ``@njit``
+    code: a sum of positive terms below it may have lost terms to underflow that matter
+    (what underflows is below rounding against a sum above it)."""
+    return 1.4916681462400413e-154
+
+
+@overload(root_tiny)
+def _root_tiny_overload(like):
+    if like == types.float32:
+        return lambda like: np.float32(1.0842022e-19)
+    if like == types.float64:
+        return lambda like: np.float64(1.4916681462400413e-154)
     return None
 
 
