@@ -1059,6 +1059,45 @@ def test_the_dense_form_is_chosen_for_short_calls() -> None:
     )
 
 
+def test_the_exact_parts_alone_run_dense_on_short_torch_calls() -> None:
+    """No feature map (window, sinks and exact keys only): torch CPU tensors without a
+    gradient take the dense form (torch's attention over the near keys) up to its own
+    measured lengths, with the same output as the NumPy path (the compiled kernels);
+    with a gradient, longer, or on JAX, the plan says why not."""
+    torch = pytest.importorskip("torch")
+    from linattn.hybrid import dense
+
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.normal(size=(2, 3, 12, D)) for _ in range(3))
+    key_mask = np.ones((2, 1, 12), dtype=bool)
+    key_mask[1, :, 9:] = False
+    k[1, :, 10] = np.nan  # padding holds anything
+    exact = np.zeros((2, 1, 12), dtype=bool)
+    exact[:, :, 7] = True
+    for causal in (False, True):
+        options = {"window": 2, "sink_keys": 1, "causal": causal, "key_mask": key_mask}
+        if not causal:
+            options["exact_key_mask"] = exact
+        expected = la.linear_attention(q, k, v, None, **options)
+        tensors = [torch.tensor(a) for a in (q, k, v)]
+        t_options = {n: torch.tensor(x) if isinstance(x, np.ndarray) else x
+                     for n, x in options.items()}  # fmt: skip
+        plan = la.plan_attention(*tensors, None, **t_options)
+        assert plan.executor == "dense-hybrid"
+        _close(la.linear_attention(*tensors, None, **t_options).numpy(), expected)
+        grad = [x.clone().requires_grad_() for x in tensors]
+        plan = la.plan_attention(*grad, None, **t_options)
+        assert dict(plan.rejected)["dense-hybrid"].startswith("no feature map with a gradient")
+        top = dense.max_length(causal, "torch-near")
+        long = [torch.zeros(1, 2, top + 1, D) for _ in range(3)]
+        plan = la.plan_attention(*long, None, window=2, causal=causal)
+        assert dict(plan.rejected)["dense-hybrid"].endswith(f"at most {top} tokens")
+        short = [x[..., :top, :] for x in long]
+        assert la.plan_attention(*short, None, window=2, causal=causal).executor == (
+            "dense-hybrid"
+        )
+
+
 @pytest.mark.needs("jax")
 def test_the_dense_form_serves_short_jax_calls() -> None:
     """JAX arrays on the CPU take the dense form up to their own measured lengths (its

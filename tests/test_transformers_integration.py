@@ -290,6 +290,24 @@ def test_padding_and_causal_masks_convert(causal: bool) -> None:
     assert torch.equal(key_mask_from(additive, 5, 5)[0], key_mask)
 
 
+def test_a_mask_read_once_is_read_again_when_it_changes() -> None:
+    """Every layer gets the same 4-D mask: it is read once and compared after, so a mask
+    changed in place (inference tensors keep no version counter), or refused, is still
+    read as what it holds now."""
+    with torch.inference_mode():
+        keep = _masks(False)
+        first = key_mask_from(keep, 5, 5)[0]
+        assert key_mask_from(keep, 5, 5)[0] is first  # (the same tensor: read once)
+        keep[0, ..., 0] = False  # row 0's first key is padding now
+        np.testing.assert_array_equal(key_mask_from(keep, 5, 5)[0][:, 0].numpy(),
+                                      [[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])  # fmt: skip
+        keep[0, 0, 0, 1] = False  # not a padding pattern any more
+        with pytest.raises(ValueError, match="must be a padding mask"):
+            key_mask_from(keep, 5, 5)
+    found = key_mask_from(_masks(False), 5, 5)[0]  # outside inference mode: its own tensor
+    assert not found.is_inference()
+
+
 def test_biases_and_other_masks_are_refused() -> None:
     alibi = -torch.arange(5.0).expand(2, 1, 5, 5)
     with pytest.raises(ValueError, match="cannot add attention biases"):

@@ -1,4 +1,5 @@
-"""A short self-attention hybrid with a fitted map as ``L x L`` weights per head, in
+"""A short self-attention hybrid with a fitted map (or its exact parts alone: window,
+sinks and exact keys, torch without a gradient) as ``L x L`` weights per head, in
 matrix products (:func:`linattn.hybrid.dense.dense_attention`: torch's fused attention
 kernel or the array API's softmax for the near keys, one product of the fitted features
 for the far keys); torch CPU tensors and JAX arrays on the CPU, up to the lengths of
@@ -17,7 +18,8 @@ __all__ = ["EXECUTOR", "DenseHybrid"]
 class DenseHybrid(Executor):
     name = "dense-hybrid"
     summary = (
-        "a short self-attention hybrid with a fitted map as matrix products: torch CPU "
+        "a short self-attention hybrid with a fitted map, or the exact parts alone, as "
+        "matrix products: torch CPU "
         "tensors (torch's fused attention kernel for the near keys; autograd "
         "differentiates it) or JAX arrays on the CPU (eager or traced; JAX differentiates it)"
     )
@@ -25,7 +27,7 @@ class DenseHybrid(Executor):
         libraries=("torch-cpu", "jax-cpu"),
         exact_parts=True,
         state=False,
-        maps=("fitted",),
+        maps=("fitted", "none"),
         dtypes=("float32", "float64"),
         backends=("auto",),  # (measured against the kernels and the portable parts)
     )
@@ -42,6 +44,10 @@ class DenseHybrid(Executor):
                 x.requires_grad for x in (call.q, call.k, call.v)
             )
             kind = "torch-grad" if grad else "torch"
+        if call.feature_map is None:  # the near keys alone: measured without a gradient
+            if kind != "torch":
+                return ["no feature map with a gradient or on JAX (the parts merge there)"]
+            kind = "torch-near"
         why = dense.why_not(call.causal, kind, call.q.shape[-2], call.k.shape[-2])
         return [] if why is None else [why]
 

@@ -36,6 +36,7 @@ from linattn._xp import (
     Namespace,
     array_device,
     constant,
+    fused_softmax_attention,
     fused_softmax_lse,
     safe_shift,
     softmax,
@@ -82,7 +83,13 @@ __all__ = [
 #:   4.5x / 2.4x / 2.0x / 1.05x the dense form's time at 128 / 256 / 320 / 384 tokens,
 #:   0.81x at 512 (``benchmarks/refine_attention_speed.py --lengths 128 256 320 384
 #:   512``).
-MAX_LENGTH = {"torch": 512, "torch-grad": 512, "jax": 384, "parameters": 384}
+#:
+#: - ``"torch-near"``: no feature map (the window, sinks and exact keys alone), torch CPU
+#:   tensors, no gradient, against the same call on the kernels (window 16 + 4 sinks + 2
+#:   exact keys per row, MiniLM's shape): the kernels took 2.7x / 2.8x / 2.1x / 1.2x /
+#:   1.45x / 1.27x / 0.94x / 0.75x the dense form's time at 64 / 128 / 256 / 288 / 320 /
+#:   352 / 384 / 512 tokens (one run each).
+MAX_LENGTH = {"torch": 512, "torch-grad": 512, "jax": 384, "parameters": 384, "torch-near": 352}
 
 #: The same for causal calls, whose dense form computes the weights after each query too
 #: (and zeroes them).  torch: the kernels took 1.5x / 1.3x / 1.3x / 1.0x / 0.84x the
@@ -90,19 +97,23 @@ MAX_LENGTH = {"torch": 512, "torch-grad": 512, "jax": 384, "parameters": 384}
 #: 128 160 192 224 256``); with a gradient 6.1x / 4.5x / 3.5x / 1.8x / 1.5x at 64 / 128
 #: / 192 / 384 / 512 (peak memory at 512 tokens 1.6 GiB against 0.74 GiB); JAX: the
 #: parts took 1.64x / 1.01x / 1.0x its forward time at 128 / 192 / 256 tokens, 1.51x /
-#: 1.32x / 0.99x its gradient's (``--jax --causal``).
-CAUSAL_MAX_LENGTH = {"torch": 192, "torch-grad": 512, "jax": 192, "parameters": 384}
+#: 1.32x / 0.99x its gradient's (``--jax --causal``).  ``"torch-near"``: the kernels took
+#: 2.2x / 2.0x / 1.5x / 1.45x / 1.42x / 0.88x / 0.74x the dense form's time at 64 / 128 /
+#: 256 / 288 / 320 / 384 / 512 tokens.
+CAUSAL_MAX_LENGTH = {
+    "torch": 192, "torch-grad": 512, "jax": 192, "parameters": 384, "torch-near": 320,
+}  # fmt: skip
 
 #: About how many ``L x L`` weights the dense form holds at once: rows of the batch are
 #: computed in blocks of at most this many weights (at least one row), which keeps the
 #: block's weights in cache (4M float32 weights, 16 MiB, was the fastest measured).
-BLOCK_ELEMENTS = 1 << 22
+BLOCK_ELEMENTS = 1 << 20
 
 
 def max_length(causal: bool, kind: str) -> int:
     """The longest self-attention given the dense form for a ``kind`` of call
-    (``"torch"``, ``"torch-grad"``, ``"jax"`` or ``"parameters"``): :data:`MAX_LENGTH`
-    and :data:`CAUSAL_MAX_LENGTH`."""
+    (``"torch"``, ``"torch-grad"``, ``"jax"``, ``"parameters"`` or ``"torch-near"``):
+    :data:`MAX_LENGTH` and :data:`CAUSAL_MAX_LENGTH`."""
     return (CAUSAL_MAX_LENGTH if causal else MAX_LENGTH)[kind]
 
 
@@ -165,7 +176,9 @@ def dense_attention(
     for n in batch[1:]:
         per_row *= n
     step = max(1, BLOCK_ELEMENTS // (per_row * q.shape[-2] ** 2))
-    if len(batch) and batch[0] > step:  # in blocks of batch rows, each one call of this
+    # In blocks of batch rows, each one call of this (the near keys alone hold no weights:
+    # the fused kernel blocks them itself).
+    if feature_map is not None and len(batch) and batch[0] > step:
 
         def rows_of(mask: Array | None, rows: slice) -> Array | None:  # (may broadcast)
             if mask is None or mask.ndim < len(batch) + 1 or mask.shape[0] == 1:
@@ -187,8 +200,9 @@ def dense_attention(
         exact=None if mask is None else mask[..., None, :],
     )  # fmt: skip
     p = None if feature_map is None else feature_map.parameters
-    if p is None:
-        return _softmax_lse(xp, q, k, v, near, scale)[0]
+    if p is None:  # (no log-sum-exp needed: torch's attention where it serves)
+        fused = fused_softmax_attention(xp, q, k, v, near, scale)
+        return _softmax_lse(xp, q, k, v, near, scale)[0] if fused is None else fused
     phi_q = softmax(xp, fitted.pairs_projection(xp, p, q, "query"))
     phi_k = softmax(xp, fitted.pairs_projection(xp, p, k, "key"))
     log_g = fitted.far_log_shift(xp, p, k, zero=-math.inf)  # g = 0: no far part at all

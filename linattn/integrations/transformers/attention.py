@@ -233,6 +233,38 @@ def key_mask_from(
         return None, False
     if attention_mask.ndim == 2:
         return attention_mask[:, None, -key_length:].to(torch.bool), False
+    if causal is not None and torch.compiler.is_compiling():
+        return _key_mask_from_4d(attention_mask, query_length, key_length, causal)
+    # Every layer of a forward pass gets the same mask: it is read once, and the next
+    # layers compare theirs with a copy of it (one comparison instead of a dozen passes).
+    global _LAST_MASK
+    key = (query_length, key_length, causal, torch.is_inference_mode_enabled())
+    last = _LAST_MASK
+    if (
+        last is not None
+        and last[0] == key
+        and last[1].shape == attention_mask.shape
+        and last[1].dtype == attention_mask.dtype
+        and last[1].device == attention_mask.device
+        and bool(torch.equal(last[1], attention_mask))
+    ):
+        return last[2]
+    result = _key_mask_from_4d(attention_mask, query_length, key_length, causal)
+    if attention_mask.numel() <= _MASK_COPY_LIMIT:
+        _LAST_MASK = (key, attention_mask.clone(), result)
+    return result
+
+
+#: The last 4-D mask :func:`key_mask_from` read: (its lengths, causal flag and inference
+#: mode; a copy of it; the result).  Only masks of at most ``_MASK_COPY_LIMIT`` entries
+#: are kept.
+_LAST_MASK: tuple[tuple[Any, ...], torch.Tensor, tuple[torch.Tensor | None, bool]] | None = None
+_MASK_COPY_LIMIT = 1 << 24
+
+
+def _key_mask_from_4d(
+    attention_mask: torch.Tensor, query_length: int, key_length: int, causal: bool | None
+) -> tuple[torch.Tensor | None, bool]:
     if attention_mask.ndim != 4:
         raise ValueError(
             f"attention_mask must be 2-D (B, L) or 4-D (B, 1, L_q, L_k); got shape "
