@@ -59,6 +59,7 @@ class FitOptions:
     learning_rate: float = 1e-2
     seed: int = 0
     exact_heads: int = 0
+    query_rows: int | None = None
 
 
 class Layers(Protocol):
@@ -183,7 +184,8 @@ def convert_layers(
                 fit_data, validation, num_features=options.num_features,
                 window=options.window, sink_keys=options.sink_keys, steps=options.steps,
                 learning_rate=options.learning_rate, seed=options.seed + layer,
-                progress=prefixed(progress, f"layer {layer}: "), **layers.fit_options(layer),
+                progress=prefixed(progress, f"layer {layer}: "), query_rows=options.query_rows,
+                **layers.fit_options(layer),
             )  # fmt: skip
             del fit_data, validation
             layers.install(layer, result.feature_map, result.worst_heads(options.exact_heads))

@@ -14,13 +14,14 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from linattn.cli._console import Console, Table
 from linattn.cli._options import CommandError
 
-__all__ = ["FITTED_FILE", "convert", "read_texts"]
+__all__ = ["FITTED_FILE", "convert", "packed", "read_texts"]
 
 #: The maps' file inside ``--out``.
 FITTED_FILE = "fitted.safetensors"
@@ -45,6 +46,69 @@ def read_texts(path: Path) -> list[str]:
     return texts
 
 
+#: Query rows per long calibration batch when ``--query-rows`` is not given (inputs of
+#: more than :data:`LONG` tokens): ``256 x L`` weights per head instead of ``L x L``.
+QUERY_ROWS = 256
+LONG = 512
+#: The longest ``--max-length``: 64 times the model's own positions (interpolated
+#: positions closer than 1/64 of a learned step were not measured).
+MAX_STRETCH = 64
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    """``--max-length`` against the exact parts, before anything loads."""
+    from linattn.models.minilm import MAX_LENGTH
+
+    length = MAX_LENGTH if args.max_length is None else args.max_length
+    least = args.window + args.sink_keys + 2
+    if length < least:
+        raise CommandError(
+            f"--max-length must be at least --window + --sink-keys + 2 = {least} (shorter "
+            f"texts have no far keys to fit); got {length}"
+        )
+    if args.pack and args.max_length is None:
+        raise CommandError("--pack joins texts up to --max-length tokens: give --max-length")
+
+
+def _extend(model: Any, length: int, method: str) -> str | None:
+    """Extend the model's positions to ``length`` where it has fewer; what was done."""
+    from linattn.models.positions import extend_positions
+
+    have = model.encoder.max_length
+    if length <= have:
+        return None
+    if length > MAX_STRETCH * have:
+        raise CommandError(
+            f"--max-length must be at most {MAX_STRETCH} x the model's {have} positions = "
+            f"{MAX_STRETCH * have} (--positions {method}); got {length}"
+        )
+    extend_positions(model.encoder, length, method)
+    return f"positions extended from {have} to {length} ({method})"
+
+
+def packed(tokenizer_lengths: list[int], limit: int) -> list[list[int]]:
+    """Consecutive texts grouped so that each group's tokens (less one ``[CLS]`` and
+    ``[SEP]`` per text joined) stay within ``limit``; a text longer than ``limit`` is a
+    group of its own (cut when tokenized).
+
+    Examples
+    --------
+    >>> packed([10, 10, 10, 30], 25)
+    [[0, 1], [2], [3]]
+    """
+    groups: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(tokenizer_lengths):
+        inner = n - 2  # the text without its own [CLS] and [SEP]
+        if groups and size + inner <= limit:
+            groups[-1].append(i)
+            size += inner
+        else:
+            groups.append([i])
+            size = n
+    return groups
+
+
 def convert(args: argparse.Namespace) -> int:
     """Fit, save, and print a per-layer table (validation errors)."""
     from linattn.models import ModelUnavailable, load_model
@@ -59,17 +123,40 @@ def convert(args: argparse.Namespace) -> int:
             "--num-features must be an even integer of at least 2 (a fitted map's features "
             f"come in pairs); got {args.num_features}"
         )
+    _check_lengths(args)
     try:
         model = load_model(args.model)
     except (ModelUnavailable, ValueError) as error:
         raise CommandError(f"--model {args.model}: {error}") from None
-    tokens = model.tokenize(texts)
+    console = Console()
+    if args.max_length is not None:
+        said = _extend(model, args.max_length, args.positions)
+        model.max_length = args.max_length
+        if said:
+            console.print(said)
     index = np.arange(len(texts))
     validation = index % args.validation_every == args.validation_every - 1
-    console = Console()
+    if args.pack:  # each split's texts joined apart: no document holds both
+        lengths = [int(n) for n in model.tokenize(texts).full_lengths]
+        docs, held = [], []
+        for split in (False, True):
+            chosen = index[validation == split]
+            for group in packed([lengths[i] for i in chosen], model.max_length):
+                docs.append(" ".join(texts[chosen[i]] for i in group))
+                held.append(split)
+        console.print(
+            f"packed {len(texts)} texts into {len(docs)} documents of up to "
+            f"{model.max_length} tokens"
+        )
+        texts, validation, index = docs, np.array(held), np.arange(len(docs))
+    unit = "documents" if args.pack else "texts"
+    tokens = model.tokenize(texts)
+    query_rows = args.query_rows
+    if query_rows is None and int(tokens.input_ids.shape[1]) > LONG:
+        query_rows = QUERY_ROWS
     console.print(
         f"fitting {model.encoder.config.num_layers} layers: {int((~validation).sum())} fit "
-        f"texts, {int(validation.sum())} validation texts, window {args.window} + "
+        f"{unit}, {int(validation.sum())} validation {unit}, window {args.window} + "
         f"{args.sink_keys} sink keys, "
         f"m = {args.num_features}, at most {args.steps} steps per layer"
     )
@@ -85,6 +172,7 @@ def convert(args: argparse.Namespace) -> int:
             steps=args.steps,
             seed=args.seed,
             exact_heads=args.exact_heads,
+            query_rows=query_rows,
             progress=lambda line: console.print(line),
             checkpoint=out / FITTED_FILE,
         )

@@ -465,6 +465,29 @@ def build_parser(
         "exact attention's time and memory; default: 0)",
     )  # fmt: skip
     convert.add_argument("--seed", type=_seed, default=0, help="seed (default: 0)")
+    convert.add_argument(
+        "--max-length", type=number(integer=True, positive=True), default=None,
+        metavar="N",
+        help="calibration texts are cut at N tokens (default: 256, the model's "
+        "sentence-transformers length); above the model's positions (512 for MiniLM) its "
+        "position table is extended to N first (--positions), and the file says so",
+    )  # fmt: skip
+    convert.add_argument(
+        "--positions", choices=("interpolate", "group"), default="interpolate",
+        help="how positions past the model's own are made (default: interpolate, position "
+        "interpolation; docs/long-documents.md)",
+    )  # fmt: skip
+    convert.add_argument(
+        "--pack", action="store_true",
+        help="join consecutive texts into documents of up to --max-length tokens (fit and "
+        "validation texts apart): calibration at length from short texts",
+    )  # fmt: skip
+    convert.add_argument(
+        "--query-rows", type=number(integer=True, positive=True), default=None,
+        metavar="R",
+        help="query rows the fit takes of each batch longer than R tokens, every key "
+        "counted (default: 256 above 512 tokens, else every row): memory R x L per head",
+    )  # fmt: skip
     commands_ = (
         ("demo", demo), ("accuracy", accuracy), ("bench", bench), ("info", info),
         ("compile", compile_), ("convert", convert),

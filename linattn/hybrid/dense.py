@@ -220,6 +220,7 @@ def near_and_far(
     sink_keys: int,
     real: Array | None,
     exact: Array | None,
+    queries: Array | None = None,
 ) -> tuple[Array, Array]:
     """Which keys each of ``length`` queries weighs exactly and which through the map.
 
@@ -227,11 +228,13 @@ def near_and_far(
     ``exact`` keys; far keys: every other key that is ``real`` (and, ``causal``, not
     after the query).  ``real`` and ``exact`` are boolean masks broadcasting against
     ``(..., L_q, L_k)`` (a query axis before the keys'), or None (every key real; no
-    exact keys).  Returns ``(near, far)``, disjoint boolean masks.
+    exact keys).  ``queries``: the positions of the query rows (integers; default all
+    ``length``).  Returns ``(near, far)``, disjoint boolean masks.
     """
-    t = xp.arange(length, device=device)[:, None]
+    t = (xp.arange(length, device=device) if queries is None else queries)[:, None]
     j = xp.arange(length, device=device)[None, :]
-    seen = (j <= t) if causal else xp.ones((length, length), dtype=xp.bool, device=device)
+    rows = length if queries is None else int(queries.shape[0])
+    seen = (j <= t) if causal else xp.ones((rows, length), dtype=xp.bool, device=device)
     near = (j < sink_keys) & seen
     if window is not None:
         near = near | (seen & (xp.abs(t - j) < window))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from scipy.special import erf
 
-__all__ = ["Attention", "BertConfig", "BertEncoder", "exact_attention"]
+__all__ = ["EXACT_BLOCK_ELEMENTS", "Attention", "BertConfig", "BertEncoder", "exact_attention"]
 
 #: ``attention(q, k, v, key_mask, layer) -> out``: ``(B, H, L, d)`` arrays, a (B, L) mask.
 Attention = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], np.ndarray]
@@ -62,11 +62,23 @@ def exact_attention(
     array([[1., 0.],
            [1., 0.]], dtype=float32)
     """
+    batch, heads, length = q.shape[0], q.shape[1], q.shape[2]
+    per_row = max(1, batch * heads * k.shape[-2])
+    block = max(1, EXACT_BLOCK_ELEMENTS // per_row)
+    if length > block:  # in blocks of query rows: O(L x block) memory per head, not L x L
+        parts = [exact_attention(q[..., i : i + block, :], k, v, key_mask, layer)
+                 for i in range(0, length, block)]  # fmt: skip
+        return np.concatenate(parts, axis=-2)
     logits = (q @ np.swapaxes(k, -1, -2)) / np.float32(math.sqrt(q.shape[-1]))
     logits = np.where(key_mask[:, None, None, :], logits, np.float32(-np.inf))
     weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
     out: np.ndarray = (weights / weights.sum(axis=-1, keepdims=True)) @ v
     return out
+
+
+#: :func:`exact_attention` holds at most about this many logits at once (64 MiB of
+#: float32): longer inputs run in blocks of query rows.
+EXACT_BLOCK_ELEMENTS = 1 << 24
 
 
 def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
@@ -111,6 +123,13 @@ class BertEncoder:
         self.weights = {
             name: np.asarray(weights[name], dtype=np.float32) for name in _names(config)
         }
+        #: What :func:`linattn.models.positions.extend_positions` did (None: nothing).
+        self.position_extension: dict[str, Any] | None = None
+
+    @property
+    def max_length(self) -> int:
+        """The longest input: the position table's rows."""
+        return int(self.weights["embeddings.position_embeddings.weight"].shape[0])
 
     def _w(self, name: str) -> np.ndarray:
         return self.weights[name]
@@ -118,6 +137,11 @@ class BertEncoder:
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
         """Token + position + segment-0 embeddings, LayerNormed: ``(B, L, hidden)``."""
         length = input_ids.shape[1]
+        if length > self.max_length:
+            raise ValueError(
+                f"input_ids has {length} tokens; the model has {self.max_length} positions "
+                "(linattn.models.positions.extend_positions gives it more)"
+            )
         x = (
             self._w("embeddings.word_embeddings.weight")[input_ids]
             + self._w("embeddings.position_embeddings.weight")[:length]

@@ -21,6 +21,7 @@ and the library version (:func:`save_fitted`, :func:`load_fitted`).
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ import numpy as np
 import linattn as la
 from linattn.conversion import FitOptions, check_conversion, convert_layers
 from linattn.models.bert import BertEncoder, exact_attention
+from linattn.models.positions import POSITIONS_ENTRY, extend_positions
 from linattn.transfer import (
     EXACT_HEADS_ENTRY,
     SINK_KEYS,
@@ -114,10 +116,22 @@ class FittedAttention:
     sink_keys: int = SINK_KEYS
     exact_sep: bool = True
     exact_heads: list[tuple[int, ...]] = field(default_factory=list)
+    #: The longest calibration input (tokens; None: not recorded): longer inputs warn once.
+    calibrated_length: int | None = None
+    _warned: bool = field(default=False, repr=False)
 
     def __call__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray, layer: int
     ) -> np.ndarray:
+        length = int(q.shape[-2])
+        if self.calibrated_length and length > self.calibrated_length and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"the fitted maps were calibrated on inputs of up to {self.calibrated_length} "
+                f"tokens; this one has {length}: it runs, outside the calibrated range "
+                "(convert with --max-length to calibrate at this length)",
+                stacklevel=2,
+            )
         mask = key_mask[:, None, :]
         exact = sep_mask(key_mask)[:, None, :] if self.exact_sep else None
         fm = self.maps[layer]
@@ -236,6 +250,7 @@ def convert_encoder(
     checkpoint: str | Path | None = None,
     exact_sep: bool = True,
     exact_heads: int = 0,
+    query_rows: int | None = None,
 ) -> ConvertedEncoder:
     """Fit every layer's maps and far weights; the encoder's weights stay as they are.
 
@@ -265,6 +280,15 @@ def convert_encoder(
     checkpoint : path, optional
         A fitted-maps file written after every layer; a rerun with the same options
         resumes after the layers it holds (their ``fits`` entries are None).
+    query_rows : int, optional
+        Query rows the fit's loss takes of each batch longer than this (sampled, every
+        key counted: :func:`linattn.transfer.fit_layer`): calibration at length in
+        ``query_rows x L`` memory per head.  None: every row.
+
+    The calibration batches' longest input and the encoder's position extension
+    (:func:`linattn.models.positions.extend_positions`) are recorded in the options
+    (``"max_length"``, ``"position_extension"``), so that a file says how long its
+    inputs were and how the model was extended.
 
     Examples
     --------
@@ -297,6 +321,9 @@ def convert_encoder(
         "seed": seed,
         "exact_heads": exact_heads,
         "calibration": calibration_digest(fit, validation),
+        "query_rows": query_rows,
+        "max_length": max(int(np.asarray(ids).shape[-1]) for ids, _ in (*fit, *validation)),
+        POSITIONS_ENTRY: encoder.position_extension,
     }
     fingerprint = model_fingerprint(encoder)
     done, done_heads = _resumed(checkpoint, fingerprint, options)
@@ -315,7 +342,9 @@ def convert_encoder(
 
     fits = convert_layers(
         layers,
-        FitOptions(num_features, window, sink_keys, steps, learning_rate, seed, exact_heads),
+        FitOptions(
+            num_features, window, sink_keys, steps, learning_rate, seed, exact_heads, query_rows
+        ),
         progress=progress,
         resumed=list(zip(done, done_heads, strict=True)),
         resumed_from=str(checkpoint),
@@ -394,9 +423,24 @@ def load_fitted(
 
 
 def attention_from_file(path: str | Path, encoder: BertEncoder) -> FittedAttention:
-    """The converted encoder's attention callable, loaded with no refit."""
+    """The converted encoder's attention callable, loaded with no refit.
+
+    A file fitted on an encoder with extended positions
+    (:func:`linattn.models.positions.extend_positions`, recorded in its options) extends
+    ``encoder`` the same way first (in place), so that the file and the model agree; the
+    callable warns when an input is longer than the file's calibration inputs.
+    """
+    _, options = load_maps(path, model_fingerprint=None, partial=True)
+    extension = options.get(POSITIONS_ENTRY)
+    if extension and encoder.position_extension != extension:
+        if encoder.position_extension:
+            raise ValueError(
+                f"{path} was fitted on the model with positions extended as {extension}; "
+                f"this encoder's are extended as {encoder.position_extension}"
+            )
+        extend_positions(encoder, int(extension["length"]), str(extension["method"]))
     layers, options = load_fitted(path, encoder)
     return FittedAttention(
         [fm for fm, _ in layers], options["window"], options["sink_keys"], True,
-        exact_heads_of(options, len(layers)),
+        exact_heads_of(options, len(layers)), calibrated_length=options.get("max_length"),
     )  # fmt: skip

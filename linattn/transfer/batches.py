@@ -11,12 +11,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
+
 from linattn._gqa import grouped
-from linattn._xp import Array, Namespace, array_device, constant, namespace_of
+from linattn._xp import Array, Namespace, array_device, constant, from_host, namespace_of
 from linattn.hybrid.dense import near_and_far
 from linattn.transfer.threads import PIECES
 
-__all__ = ["LayerBatch", "Parts", "prepare"]
+__all__ = ["LayerBatch", "Parts", "prepare", "sampled_rows"]
 
 
 class LayerBatch(NamedTuple):
@@ -41,12 +43,23 @@ class LayerBatch(NamedTuple):
     exact_key_mask: Array | None = None
 
 
+#: The :class:`Parts` fields with a query-row axis (second to last).
+_BY_QUERY = ("q", "far", "far_weights", "near_weights", "near_top", "rows", "target")
+
+#: The most weights (``near_weights``' elements) one piece of a batch holds: larger
+#: batches are cut along their rows, then their query rows.  A piece's temporaries then
+#: stay in the allocator's reused memory instead of fresh pages each step (the fit of
+#: 2,048-token documents spent half its time in the kernel, zeroing pages, with pieces
+#: of 200 MiB).
+PIECE_ELEMENTS = 1 << 22
+
+
 @dataclass
 class Parts:
     """What one batch needs besides the parameters (grouped shapes, masks, target)."""
 
     xp: Namespace
-    q: Array  # (B, H_kv, G, L, d)
+    q: Array  # (B, H_kv, G, L_q, d): every query row, or the sampled ones
     k: Array  # (B, H_kv, 1, L, d)
     v: Array  # (B, H_kv, 1, L, d_v)
     far: Array  # (B, 1, 1, L, L) bool: feature keys
@@ -58,22 +71,66 @@ class Parts:
     target: Array  # (B, H_kv, G, L, d_v): exact softmax output
     grouped: bool
 
-    def pieces(self, count: int = PIECES) -> list[Parts]:
-        """This batch as up to ``count`` batches of consecutive rows (none empty)."""
+    def pieces(self, count: int = PIECES, limit: int = PIECE_ELEMENTS) -> list[Parts]:
+        """This batch as up to ``count`` batches of consecutive rows (none empty), each
+        cut further along its query rows until its weights hold at most ``limit``
+        elements (:data:`PIECE_ELEMENTS`; at least one query row a piece)."""
         size = int(self.q.shape[0])
         bounds = [size * i // count for i in range(count + 1)]
         names = ("q", "k", "v", "far", "far_weights", "near_weights", "near_top", "rows")
-        return [
-            replace(self, **{name: getattr(self, name)[a:b, ...] for name in (*names, "target")})
-            for a, b in itertools.pairwise(bounds)
-            if b > a
-        ]
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            if b <= a:
+                continue
+            piece = replace(self, **{n: getattr(self, n)[a:b, ...] for n in (*names, "target")})
+            per_row = math.prod(piece.near_weights.shape) // int(piece.q.shape[-2])
+            step = max(1, limit // max(per_row, 1))
+            queries = int(piece.q.shape[-2])
+            if step >= queries:
+                out.append(piece)
+                continue
+            for start in range(0, queries, step):
+                rows = slice(start, start + step)
+                out.append(
+                    replace(piece, **{n: _query_rows(getattr(piece, n), rows) for n in _BY_QUERY})
+                )
+        return out
+
+
+def _query_rows(x: Array, rows: slice) -> Array:
+    return x[..., rows, :]
+
+
+def sampled_rows(length: int, count: int | None, seed: int) -> np.ndarray | None:
+    """The query rows a fit takes of a batch of ``length`` tokens: all (None) where
+    ``count`` is None or at least ``length``, else ``count`` distinct positions drawn
+    with ``seed``, in order.  The loss of a long input needs each query row's exact
+    output over every key, ``L`` weights per row and head: sampled rows keep that
+    ``count x L`` instead of ``L x L``.
+
+    Examples
+    --------
+    >>> sampled_rows(10, None, 0) is None, sampled_rows(10, 20, 0) is None
+    (True, True)
+    >>> rows = sampled_rows(1000, 4, 0)
+    >>> rows.shape, bool(np.all(np.diff(rows) > 0))
+    ((4,), True)
+    """
+    if count is None or count >= length:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(length, size=count, replace=False))
 
 
 def prepare(
-    batch: LayerBatch, window: int | None, sink_keys: int, causal: bool, scale: float
+    batch: LayerBatch,
+    window: int | None,
+    sink_keys: int,
+    causal: bool,
+    scale: float,
+    rows: np.ndarray | None = None,
 ) -> Parts:
-    """One batch's :class:`Parts`, its arguments checked (before any work)."""
+    """One batch's :class:`Parts`, its arguments checked (before any work); ``rows``:
+    the query rows it keeps (positions, :func:`sampled_rows`; None: all)."""
     q, k, v, key_mask, exact = batch
     xp = namespace_of({"q": q, "k": k, "v": v, "key_mask": key_mask})
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -97,10 +154,14 @@ def prepare(
     gq, gk, gv, _, _ = grouped(q, k, v)
     if gq.ndim == 4:  # no grouping: add the unit group axis
         gq, gk, gv = gq[:, :, None], gk[:, :, None], gv[:, :, None]
+    queries = None
+    if rows is not None:
+        queries = from_host(xp, np.asarray(rows), dtype=xp.int64, device=array_device(q))
+        gq = xp.take(gq, queries, axis=3)
     near, far = near_and_far(
         xp, length, array_device(q), causal=causal, window=window, sink_keys=sink_keys,
         real=key_mask[:, None, None, None, :],
-        exact=None if exact is None else exact[:, None, None, None, :],
+        exact=None if exact is None else exact[:, None, None, None, :], queries=queries,
     )  # fmt: skip
     log_exact = xp.matmul(gq, xp.matrix_transpose(gk)) * scale
     allowed = near | far
@@ -113,11 +174,12 @@ def prepare(
     weights = xp.exp(xp.where(allowed, log_exact - top, neg))
     total = xp.sum(weights, axis=-1, keepdims=True)
     target = xp.matmul(weights, gv) / xp.where(total > 0, total, xp.ones_like(total))
-    rows = xp.astype(key_mask, q.dtype)[:, None, None, :, None]
+    real_rows = key_mask if queries is None else xp.take(key_mask, queries, axis=1)
+    row_weights = xp.astype(real_rows, q.dtype)[:, None, None, :, None]
     near_top = xp.max(xp.where(near, log_exact, neg), axis=-1, keepdims=True)
     near_top = xp.where(xp.isfinite(near_top), near_top, xp.zeros_like(near_top))
     near_weights = xp.exp(xp.where(near, log_exact - near_top, neg))
     return Parts(
-        xp, gq, gk, gv, far, xp.astype(far, q.dtype), near_weights, near_top, rows, scale,
-        target, gq.shape[2] > 1,
+        xp, gq, gk, gv, far, xp.astype(far, q.dtype), near_weights, near_top, row_weights,
+        scale, target, gq.shape[2] > 1,
     )  # fmt: skip

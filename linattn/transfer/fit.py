@@ -18,7 +18,7 @@ from linattn._checks import check_scale
 from linattn._xp import namespace_of
 from linattn.features import FeatureMap
 from linattn.fitted import FittedParameters
-from linattn.transfer.batches import LayerBatch, prepare
+from linattn.transfer.batches import LayerBatch, prepare, sampled_rows
 from linattn.transfer.loss import batch_loss_grad, forward, squared_error, squared_norm
 from linattn.transfer.optimiser import Adam, parameters_of, values_of
 from linattn.transfer.start import start_far_weight
@@ -140,6 +140,7 @@ def fit_layer(
     patience: int = 3,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    query_rows: int | None = None,
 ) -> LayerFit:
     """Fit one layer's per-head maps and far weights to its exact attention.
 
@@ -165,6 +166,12 @@ def fit_layer(
     progress : callable, optional
         Called with a one-line status after each validation pass (the default prints
         it on stderr when stderr is a terminal).
+    query_rows : int, optional
+        Query rows the loss takes of each batch longer than this: that many positions
+        drawn per batch (seeded; :func:`linattn.transfer.batches.sampled_rows`), every
+        key still counted, so a batch's exact targets and weights hold ``query_rows x L``
+        per head instead of ``L x L``.  None (default): every row.  Said in a progress
+        line when it samples.
 
     Returns
     -------
@@ -194,19 +201,20 @@ def fit_layer(
     if not fit or not validation:
         raise ValueError("fit and validation must each hold at least one LayerBatch")
     _check_options(num_features=num_features, steps=steps, evaluate_every=evaluate_every,
-                   patience=patience, learning_rate=learning_rate)  # fmt: skip
+                   patience=patience, learning_rate=learning_rate,
+                   query_rows=query_rows)  # fmt: skip
     with one_blas_thread(), pieces_run(namespace_of({"q": fit[0].q})) as run:
         return _fit_layer(
             fit, validation, num_features=num_features, window=window, sink_keys=sink_keys,
             causal=causal, scale=scale, tied=tied, steps=steps, learning_rate=learning_rate,
             evaluate_every=evaluate_every, patience=patience, seed=seed, progress=progress,
-            run=run,
+            run=run, query_rows=query_rows,
         )  # fmt: skip
 
 
 def _check_options(
     *, num_features: object, steps: object, evaluate_every: object, patience: object,
-    learning_rate: object,
+    learning_rate: object, query_rows: object = None,
 ) -> None:  # fmt: skip
     """The fit's numeric options, before anything runs (``evaluate_every=0`` was a
     ZeroDivisionError, ``num_features=63`` a traceback after a layer's work)."""
@@ -214,6 +222,7 @@ def _check_options(
         "steps": (steps, 0),
         "evaluate_every": (evaluate_every, 1),
         "patience": (patience, 1),
+        **({} if query_rows is None else {"query_rows": (query_rows, 1)}),
     }
     for name, (value, low) in counts.items():
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
@@ -254,6 +263,7 @@ def _fit_layer(
     seed: int,
     progress: Callable[[str], None] | None,
     run: Run,
+    query_rows: int | None,
 ) -> LayerFit:
     start = time.perf_counter()
     first = fit[0]
@@ -268,11 +278,24 @@ def _fit_layer(
             f"tied=True needs as many key heads as query heads; got {key_heads} and {heads}"
         )
     report = progress if progress is not None else _terminal_progress
-    fit_parts = [prepare(b, window, sink_keys, causal, scale).pieces() for b in fit]
+
+    def rows(batch: LayerBatch, index: int) -> np.ndarray | None:
+        return sampled_rows(int(batch.q.shape[-2]), query_rows, seed * 100_003 + index)
+
+    sampled = [int(b.q.shape[-2]) for b in (*fit, *validation) if rows(b, 0) is not None]
+    if sampled:
+        report(
+            f"{query_rows} query rows per batch sampled in {len(sampled)} of "
+            f"{len(fit) + len(validation)} batches (up to {max(sampled)} tokens), every key"
+        )
+    fit_parts = [
+        prepare(b, window, sink_keys, causal, scale, rows(b, i)).pieces()
+        for i, b in enumerate(fit)
+    ]
     val_parts = [
         piece
-        for b in validation
-        for piece in prepare(b, window, sink_keys, causal, scale).pieces()
+        for i, b in enumerate(validation)
+        for piece in prepare(b, window, sink_keys, causal, scale, rows(b, len(fit) + i)).pieces()
     ]
     p = fitted.initial_parameters(
         head_dim, num_features, heads=heads, key_heads=key_heads, tied=tied, seed=seed

@@ -233,7 +233,7 @@ def key_mask_from(
         return None, False
     if attention_mask.ndim == 2:
         return attention_mask[:, None, -key_length:].to(torch.bool), False
-    if causal is not None and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (no state kept while tracing)
         return _key_mask_from_4d(attention_mask, query_length, key_length, causal)
     # Every layer of a forward pass gets the same mask: it is read once, and the next
     # layers compare theirs with a copy of it (one comparison instead of a dozen passes).
