@@ -308,6 +308,14 @@ def test_crossing_is_interpolated_in_log_log() -> None:
     assert _crossing([(100, 0.5)])[0] is None
     assert "≤ 100" in _crossing([(100, 0.5)])[1]
     assert "> 400" in _crossing([(100, 2.0), (400, 1.5)])[1]
+    # The whole table decides: a win at 256 that 512 takes back is no crossover (the
+    # demo said "<= 256, linear wins at every length" beside its own 0.53x row).
+    length, text = _crossing([(256, 0.9), (512, 1.9), (1024, 0.5)])
+    assert length is not None and 512 < length < 1024
+    assert text.endswith("(linear also won at 256, then lost)")
+    assert _crossing([(256, 0.9), (512, 1.9)])[1] == (
+        "> 512 (exact wins at the longest length measured; linear won at 256 only)"
+    )
 
 
 def test_crossovers_by_mode_and_quantity() -> None:
@@ -592,3 +600,25 @@ def test_convert_names_a_bad_option_before_any_work(
     argv = ["convert", "--model", "minilm", *(x for pair in values.items() for x in pair)]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_accuracy_takes_a_texts_file_and_a_fitted_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``accuracy --texts`` takes a file as ``convert --texts`` does (a count otherwise),
+    and ``--fitted`` the folder or the file ``convert`` printed; each is read, and its
+    mistakes named, before the model loads."""
+    absent = tmp_path / "absent-model"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    error = _error_of(["accuracy", "--model", str(absent), "--texts", str(empty)], capsys)
+    assert f"--texts {empty}: needs at least 1 non-empty line; got 0" in error
+    texts = tmp_path / "texts.txt"
+    texts.write_text("one held-out text\n")
+    error = _error_of(["accuracy", "--model", str(absent), "--texts", str(texts)], capsys)
+    assert f"--model {absent}" in error  # (the texts were fine)
+    not_maps = tmp_path / "fitted.safetensors"
+    not_maps.write_bytes(b"not a safetensors file")
+    for given in (tmp_path, not_maps):  # the folder, or the file itself
+        error = _error_of(["accuracy", "--model", str(absent), "--fitted", str(given)], capsys)
+        assert f"--fitted {given}: path must be a linattn fitted-maps file" in error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -115,20 +116,30 @@ def test_cli_message_when_model_is_missing(
 
 
 @needs_minilm
-def test_cli_convert_writes_maps_for_its_sink_keys(tmp_path: Path) -> None:
-    """`linattn convert --sink-keys N` fits for N sink keys and says so in its files."""
+def test_cli_convert_writes_maps_for_its_sink_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`linattn convert --sink-keys N` fits for N sink keys and says so in its files; a
+    text too short to hold a far key is counted; progress goes to stderr with the
+    elapsed time; the table's figure is the progress lines' (pooled over heads)."""
     import json
 
     from linattn.transfer import load_maps
 
     texts = tmp_path / "texts.txt"
-    texts.write_text("\n".join(load_texts()[:4]))
+    texts.write_text("\n".join([*load_texts()[:4], "Too short."]))
     out = tmp_path / "fitted"
     argv = ["convert", "--model", "minilm", "--texts", str(texts), "--out", str(out)]
     options = ["--steps", "1", "--window", "4", "--sink-keys", "2", "--validation-every", "2"]
     assert cli.main(argv + options) == 0
     assert json.loads((out / "report.json").read_text())["options"]["sink_keys"] == 2
     assert load_maps(out / "fitted.safetensors", model_fingerprint=None)[1]["sink_keys"] == 2
+    said = capsys.readouterr()
+    assert "warning: 1 of 5 calibration texts have fewer than 6 tokens" in said.out
+    assert "(4 useful)" in said.out
+    assert re.search(r"^\[0:\d\d(, about \d+:\d\d left)?\] layer 0: step 1/1", said.err, re.M)
+    assert "step 1/1" not in said.out
+    assert "||out - exact|| / ||exact|| over all heads" in said.out
 
 
 def test_texts_length_properties() -> None:

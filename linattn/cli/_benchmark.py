@@ -171,18 +171,26 @@ class Crossover:
 
 
 def _crossing(points: list[tuple[int, float]]) -> tuple[float | None, str]:
-    """First length where the ratio linear/exact drops below 1, interpolated in log-log."""
+    """The length from which linear attention wins at every longer length measured (the
+    ratio linear / exact below 1 from there on), interpolated in log-log between the
+    last length where it lost and the next; earlier lengths where it won are named (a
+    win the next length takes back is within the noise, not a crossover)."""
     if not points:
         return None, "not measured"
-    for i, (length, ratio) in enumerate(points):
-        if ratio < 1:
-            if i == 0:
-                return None, f"≤ {length} (linear wins at every length measured)"
-            before, ratio_before = points[i - 1]
-            frac = math.log(ratio_before) / (math.log(ratio_before) - math.log(ratio))
-            value = math.exp(math.log(before) + frac * (math.log(length) - math.log(before)))
-            return value, f"≈ {value:,.0f}"
-    return None, f"> {points[-1][0]} (exact wins at every length measured)"
+    losing = [i for i, (_, ratio) in enumerate(points) if ratio >= 1]
+    if not losing:
+        return None, f"≤ {points[0][0]} (linear wins at every length measured)"
+    last = losing[-1]
+    if last == len(points) - 1:
+        wins = [str(n) for n, ratio in points if ratio < 1]
+        also = f"; linear won at {', '.join(wins)} only" if wins else ""
+        return None, f"> {points[-1][0]} (exact wins at the longest length measured{also})"
+    (before, ratio_before), (length, ratio) = points[last], points[last + 1]
+    frac = math.log(ratio_before) / (math.log(ratio_before) - math.log(ratio))
+    value = math.exp(math.log(before) + frac * (math.log(length) - math.log(before)))
+    wins = [str(n) for n, r in points[:last] if r < 1]
+    also = f" (linear also won at {', '.join(wins)}, then lost)" if wins else ""
+    return value, f"≈ {value:,.0f}{also}"
 
 
 def crossovers(rows: Sequence[BenchRow]) -> list[Crossover]:

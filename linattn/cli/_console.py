@@ -104,15 +104,17 @@ class Console:
         )
 
     def print(self, item: str | Table) -> None:
-        """Print ``item`` and flush: a pipe shows each line when it is printed."""
-        if self.rich is not None:
+        """Print ``item`` and flush: a pipe shows each line when it is printed.  Rich
+        draws on a terminal only: piped or redirected, lines are written as they are
+        (rich would wrap them, and tables' headers, at 80 columns)."""
+        if self.rich is not None and self.stream.isatty():
             self.rich.print(_rich_table(item) if isinstance(item, Table) else item)
         else:
             self.stream.write(_plain_table(item) if isinstance(item, Table) else f"{item}\n")
         self.stream.flush()
 
     def rule(self, title: str) -> None:
-        if self.rich is not None:
+        if self.rich is not None and self.stream.isatty():
             self.rich.rule(title)
         else:
             self.stream.write(f"== {title} ==\n")

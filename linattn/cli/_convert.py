@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,9 @@ __all__ = ["FITTED_FILE", "convert", "packed", "read_texts"]
 FITTED_FILE = "fitted.safetensors"
 
 
-def read_texts(path: Path) -> list[str]:
-    """Non-empty lines of ``path``; a clear error for a missing or empty file."""
+def read_texts(path: Path, least: int = 2) -> list[str]:
+    """Non-empty lines of ``path`` (at least ``least``: 2 for a conversion's fit and
+    validation texts); a clear error for a missing or empty file."""
     try:
         lines = Path(path).read_text("utf-8").splitlines()
     except OSError as error:
@@ -38,9 +40,10 @@ def read_texts(path: Path) -> list[str]:
             f"--texts {path}: must be UTF-8 text; byte {error.start} is not ({error.reason})"
         ) from None
     texts = [line.strip() for line in lines if line.strip()]
-    if len(texts) < 2:
+    if len(texts) < least:
+        why = " (fit and validation texts)" if least == 2 else ""
         raise CommandError(
-            f"--texts {path}: needs at least 2 non-empty lines (fit and validation texts); "
+            f"--texts {path}: needs at least {least} non-empty line{'s' * (least > 1)}{why}; "
             f"got {len(texts)}"
         )
     return texts
@@ -109,6 +112,45 @@ def packed(tokenizer_lengths: list[int], limit: int) -> list[list[int]]:
     return groups
 
 
+def pooled(errors: np.ndarray, norms: np.ndarray) -> float:
+    """A layer's relative error ``||out - exact|| / ||exact||`` over all its heads from
+    the heads' relative errors and exact squared norms: the figure the fit's progress
+    lines give ("validation error").
+
+    Examples
+    --------
+    >>> round(pooled(np.array([0.1, 0.3]), np.array([3.0, 1.0])), 4)
+    0.1732
+    """
+    return float(np.sqrt(np.sum(errors**2 * norms) / np.sum(norms)))
+
+
+class _Progress:
+    """The fit's progress lines on standard error, with the elapsed time and, from the
+    ``"layer l: step s/S"`` lines, an estimate of the time left."""
+
+    def __init__(self, layers: int) -> None:
+        self.console = Console(stderr=True)
+        self.layers = layers
+        self.start = time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        said = f"[{_clock(elapsed)}"
+        found = re.match(r"layer (\d+): step (\d+)/(\d+)", line)
+        if found:
+            layer, step, steps = (int(g) for g in found.groups())
+            done = (layer + step / steps) / self.layers
+            if 0 < done < 1:
+                said += f", about {_clock(elapsed * (1 - done) / done)} left"
+        self.console.print(f"{said}] {line}")
+
+
+def _clock(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}:{rest:02d}"
+
+
 def convert(args: argparse.Namespace) -> int:
     """Fit, save, and print a per-layer table (validation errors)."""
     from linattn.models import ModelUnavailable, load_model
@@ -151,6 +193,15 @@ def convert(args: argparse.Namespace) -> int:
         texts, validation, index = docs, np.array(held), np.arange(len(docs))
     unit = "documents" if args.pack else "texts"
     tokens = model.tokenize(texts)
+    least = max(args.window, args.sink_keys) + 2  # (the shortest text with a far key)
+    short = int(np.sum(tokens.lengths < least))
+    if short:
+        console.print(
+            f"warning: {short} of {len(texts)} calibration {unit} have fewer than {least} "
+            f"tokens (max(--window, --sink-keys) + 2): none of their keys is far, so they "
+            f"teach the fit nothing ({len(texts) - short} useful); longer texts, or --pack "
+            "with --max-length, give it far keys"
+        )
     query_rows = args.query_rows
     if query_rows is None and int(tokens.input_ids.shape[1]) > LONG:
         query_rows = QUERY_ROWS
@@ -173,7 +224,7 @@ def convert(args: argparse.Namespace) -> int:
             seed=args.seed,
             exact_heads=args.exact_heads,
             query_rows=query_rows,
-            progress=lambda line: console.print(line),
+            progress=_Progress(model.encoder.config.num_layers),
             checkpoint=out / FITTED_FILE,
         )
     except ValueError as error:  # (an option or a checkpoint the conversion refuses)
@@ -203,7 +254,10 @@ def convert(args: argparse.Namespace) -> int:
         ],
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    table = Table("Relative attention error on the validation texts (root mean square over heads)")
+    table = Table(
+        f"Validation error per layer, ||out - exact|| / ||exact|| over all heads, on the "
+        f"validation {unit} (the progress lines' figure)"
+    )
     headers = (
         "layer",
         "fitted",
@@ -224,8 +278,8 @@ def convert(args: argparse.Namespace) -> int:
         worst = int(np.argmax(shares))
         table.add_row(
             str(layer),
-            f"{np.sqrt(np.mean(fit.validation_error**2)):.3f}",
-            f"{np.sqrt(np.mean(fit.exact_parts_error**2)):.3f}",
+            f"{pooled(fit.validation_error, fit.exact_squared_norm):.3f}",
+            f"{pooled(fit.exact_parts_error, fit.exact_squared_norm):.3f}",
             str(int(fit.exact_only.sum())),
             f"{worst} ({shares[worst]:.0%})",
             " ".join(map(str, exact)) or "-",

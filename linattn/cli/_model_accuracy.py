@@ -115,10 +115,11 @@ def _fitted_configs(folder: Path) -> list[Any]:
     from linattn.models.accuracy import Config
     from linattn.transfer import load_maps
 
-    path = Path(folder) / FITTED_FILE
+    path = Path(folder) if Path(folder).is_file() else Path(folder) / FITTED_FILE
     if not path.is_file():
         raise CommandError(
-            f"--fitted {folder}: no {FITTED_FILE} there (`linattn convert` writes it)"
+            f"--fitted {folder}: no {FITTED_FILE} there (`linattn convert` writes it; give "
+            "its folder or the file)"
         )
     try:
         _, options = load_maps(path, model_fingerprint=None)
@@ -141,13 +142,18 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "csv":
         raise CommandError("argument --format: --model gives table or json; got csv")
     fitted_configs = None if args.fitted is None else _fitted_configs(args.fitted)
+    if isinstance(args.texts, Path):  # (read before the model loads: its errors first)
+        from linattn.cli._convert import read_texts
+
+        texts = read_texts(args.texts, least=1)
+    else:
+        texts = load_texts(args.texts)
     try:
         model = load_model(args.model)
     except ModelUnavailable as error:
         raise CommandError(f"--model {args.model}: {error}") from None
     except ValueError as error:
         raise CommandError(f"--model {args.model}: {error}") from None
-    texts = load_texts(args.texts)
     configs = default_configs() if fitted_configs is None else fitted_configs
     batch_size = 20
     steps = math.ceil(len(texts) / batch_size) * (len(configs) + 1)

@@ -77,6 +77,15 @@ def number(*, integer: bool, positive: bool) -> Callable[[str], Any]:
 
 
 _count = number(integer=True, positive=True)
+
+
+def _count_or_file(value: str) -> int | Path:
+    """A positive count, or the path of a file (anything that is not a number)."""
+    if value.strip().lstrip("+-").isdigit():
+        return _count(value)
+    return Path(value)
+
+
 _seed = number(integer=True, positive=False)
 
 
@@ -319,18 +328,21 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--texts",
-        type=_count,
+        type=_count_or_file,
         default=None,
-        metavar="N",
-        help="the first N benchmark texts (default: all; a multiple of 5 keeps the mix)",
+        metavar="N|FILE",
+        help="the first N benchmark texts (default: all; a multiple of 5 keeps the mix), "
+        "or your own texts, one per line, as `linattn convert --texts` takes them (held "
+        "out from the conversion's, to measure it)",
     )
     group.add_argument(
         "--fitted",
         type=Path,
         default=None,
-        metavar="DIR",
-        help="measure the fitted maps `linattn convert` wrote to DIR (against window + "
-        "sinks with the same window) instead of the default configurations",
+        metavar="DIR|FILE",
+        help="measure the fitted maps `linattn convert` wrote to DIR (or the file it "
+        "printed) against window + sinks with the same window, instead of the default "
+        "configurations",
     )
     group.add_argument("--plot", type=Path, default=None, metavar="FILE", help="PNG plot")
     group.add_argument(
