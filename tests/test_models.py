@@ -90,7 +90,7 @@ def test_sha_mismatch_names_path_and_both_hashes(tmp_path: Path) -> None:
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         (tmp_path / name).write_bytes(b"not a model")
     with pytest.raises(ValueError, match="SHA-256") as caught:
-        minilm.load_model(tmp_path)
+        minilm.load_model(tmp_path, sha256=minilm.MINILM_SHA256)
     message = str(caught.value)
     assert str(tmp_path / "model.safetensors") in message
     assert minilm.MINILM_SHA256 in message
@@ -195,3 +195,23 @@ def test_shared_draw_gives_every_layer_the_same_projection(shared: bool) -> None
     layer0, layer1 = (attention(q, k, v, mask, layer) for layer in (0, 1))
     assert np.array_equal(layer0, layer1) == shared
     assert config.label.endswith("one draw") == shared
+
+
+@needs_minilm
+def test_any_bert_folder_loads_with_its_own_weights(
+    model: minilm.SentenceModel, tmp_path: Path
+) -> None:
+    """A folder the caller names is taken as it is (another BERT-like encoder, its own
+    fingerprint); the pinned hash checks the packaged model only, or when asked."""
+    import safetensors.numpy
+
+    from linattn.models.convert import model_fingerprint
+
+    folder = tmp_path / "other-bert"
+    shutil.copytree(model.path, folder)
+    other = {name: weight * np.float32(1.01) for name, weight in model.encoder.weights.items()}
+    safetensors.numpy.save_file(other, str(folder / "model.safetensors"))
+    loaded = minilm.load_model(folder)
+    assert model_fingerprint(loaded.encoder) != model_fingerprint(model.encoder)
+    with pytest.raises(ValueError, match="SHA-256"):
+        minilm.load_model(folder, sha256=minilm.MINILM_SHA256)

