@@ -196,9 +196,17 @@ def test_maps_save_and_load_with_their_model_and_version(tmp_path, monkeypatch) 
     np.testing.assert_array_equal(layers[0][1], [0.0, 2.5])
     with pytest.raises(ValueError, match="fitted for another model"):
         transfer.load_maps(path, model_fingerprint="xyz")
-    monkeypatch.setattr(la, "__version__", "0.0.0")
-    with pytest.raises(ValueError, match="written by linattn"):
-        transfer.load_maps(path, model_fingerprint="abc")
+    monkeypatch.setattr(la, "__version__", "0.0.0")  # another version reads the format
+    assert transfer.load_maps(path, model_fingerprint="abc")[1] == {"window": 2}
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(path), framework="numpy") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    newer = tmp_path / "newer.safetensors"
+    save_file(tensors, str(newer), metadata={**metadata, "format": "linattn-fitted-maps/9"})
+    with pytest.raises(ValueError, match=r"format linattn-fitted-maps/9, written by linattn "):
+        transfer.load_maps(newer, model_fingerprint="abc")
     (tmp_path / "other").write_bytes(b"not a file of maps")
     with pytest.raises(ValueError, match="path must be a linattn fitted-maps file"):
         transfer.load_maps(tmp_path / "other", model_fingerprint=None)
@@ -352,7 +360,7 @@ def test_a_checkpoint_of_an_unfinished_conversion_resumes_but_is_refused_for_use
 ) -> None:
     pytest.importorskip("safetensors")
     from linattn.models.bert import BertConfig, BertEncoder, random_weights
-    from linattn.models.convert import convert_encoder, model_fingerprint
+    from linattn.models.convert import convert_encoder, model_signature
 
     config = BertConfig(8, 2, 2, 1e-12)
     encoder = BertEncoder(random_weights(config, 50), config)
@@ -372,10 +380,10 @@ def test_a_checkpoint_of_an_unfinished_conversion_resumes_but_is_refused_for_use
             **{**options, "progress": interrupt},
         )  # fmt: skip
     with pytest.raises(ValueError, match="checkpoint of an unfinished conversion"):
-        load_maps(checkpoint, model_fingerprint=model_fingerprint(encoder))
+        load_maps(checkpoint, model_fingerprint=model_signature(encoder))
     done = convert_encoder(encoder, [(ids, mask)], [(ids, mask)], checkpoint=checkpoint, **options)
     assert done.fits[0] is None and done.fits[1] is not None  # (resumed after layer 0)
-    layers, _ = load_maps(checkpoint, model_fingerprint=model_fingerprint(encoder))
+    layers, _ = load_maps(checkpoint, model_fingerprint=model_signature(encoder))
     assert all(fm is not None for fm, _ in layers)
 
 

@@ -297,11 +297,44 @@ def test_save_then_load_into_a_fresh_copy(tmp_path, monkeypatch) -> None:  # typ
     assert fresh.config.linattn["exact_keys"] == "special"
     assert torch.equal(_output(fresh, batch), _output(model, batch))
     other = _bert(seed=1)
-    with pytest.raises(
-        ValueError, match=rf"fitted for another model \(fingerprint {model_fingerprint(model)}\)"
-    ):
+    with pytest.raises(ValueError, match=r"fitted for another model \(layer 0's .* differs"):
         load_fitted(other, path)
     assert "linattn" not in vars(other.config) or not other.config.linattn
+
+
+def test_one_file_for_every_route_and_dtype(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A file from the NumPy BERT's conversion (``linattn convert``'s) loads into the
+    same model through transformers, and gives the NumPy route's hidden states; files of
+    either route load into the model cast to bfloat16 and float16 (the signature is of
+    the attention weights, not of their bytes), and a file of the transformers route into
+    the NumPy encoder."""
+    from linattn.models.bert import BertConfig, BertEncoder
+    from linattn.models.convert import attention_from_file, convert_encoder
+    from linattn.models.convert import load_fitted as load_numpy
+    from linattn.models.convert import save_fitted as save_numpy
+
+    model = _bert()
+    weights = {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
+    encoder = BertEncoder(weights, BertConfig.from_json(model.config.to_dict()))
+    batch = _batch(4)
+    ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy().astype(bool)
+    done = convert_encoder(encoder, [(ids, mask)], [(ids, mask)], window=WINDOW, sink_keys=SINKS,
+                           num_features=8, steps=4, progress=lambda line: None)  # fmt: skip
+    numpy_file = save_numpy(tmp_path / "numpy.safetensors", done)
+    load_fitted(model, numpy_file)
+    assert model.config.linattn["exact_keys"] == "sep"
+    want = encoder.hidden_states(ids, mask, attention_from_file(numpy_file, encoder))
+    got = _output(model, batch).numpy()
+    np.testing.assert_allclose(got, want[mask], atol=2e-4)
+    for dtype in (torch.bfloat16, torch.float16):
+        cast = _bert().to(dtype)
+        load_fitted(cast, numpy_file)  # (accepted: the same attention weights, rounded)
+        assert cast.config._attn_implementation == "linattn"
+    converted, _ = _converted("bert")
+    torch_file = save_fitted(converted, tmp_path / "torch.safetensors")
+    load_fitted(_bert().to(torch.bfloat16), torch_file)
+    layers, options = load_numpy(torch_file, encoder)  # the other way round
+    assert len(layers) == 2 and options["exact_keys"] == "special"
 
 
 def test_a_saved_model_finds_its_maps_on_the_first_call(tmp_path) -> None:  # type: ignore[no-untyped-def]

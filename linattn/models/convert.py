@@ -42,6 +42,7 @@ from linattn.transfer import (
     load_maps,
     save_maps,
 )
+from linattn.transfer.fingerprint import signature
 
 __all__ = [
     "ConvertedEncoder",
@@ -49,14 +50,42 @@ __all__ = [
     "convert_encoder",
     "load_fitted",
     "model_fingerprint",
+    "model_signature",
+    "module_names",
     "save_fitted",
 ]
 
 Batch = tuple[np.ndarray, np.ndarray]  # (input_ids (B, L), key_mask (B, L))
 
 
+def module_names(encoder: BertEncoder) -> list[str]:
+    """The attention modules' names, as transformers' ``BertModel`` names them (the
+    encoder's weights are named alike): what a fitted-maps file lists, so that the
+    transformers integration finds each layer's module."""
+    return [f"encoder.layer.{layer}.attention.self" for layer in range(encoder.config.num_layers)]
+
+
+def model_signature(encoder: BertEncoder) -> dict[str, Any]:
+    """What fitted maps are fitted to (:func:`linattn.transfer.fingerprint.signature`):
+    the encoder's shape and positions, and each attention module's weights, as the
+    transformers integration computes it for the same model in any dtype."""
+    layers = []
+    for name in module_names(encoder):
+        prefix = name + "."
+        layers.append(
+            {k[len(prefix) :]: w for k, w in encoder.weights.items() if k.startswith(prefix)}
+        )
+    config = encoder.config
+    facts = {
+        "layers": config.num_layers, "heads": config.num_heads, "head_dim": config.head_dim,
+        "positions": encoder.max_length,
+    }  # fmt: skip
+    return signature(facts, layers)
+
+
 def model_fingerprint(encoder: BertEncoder) -> str:
-    """SHA-256 (16 hex digits) of the encoder's configuration and every weight.
+    """SHA-256 (16 hex digits) of the encoder's configuration and every weight: the
+    fingerprint of fitted-maps files of format 1 (before :func:`model_signature`).
 
     Examples
     --------
@@ -158,7 +187,7 @@ class ConvertedEncoder:
     attention: FittedAttention
     fits: list[LayerFit | None]
     options: dict[str, Any] = field(default_factory=dict)
-    fingerprint: str = ""
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # (its model_signature)
 
     @property
     def seconds(self) -> float:
@@ -325,7 +354,8 @@ def convert_encoder(
         "max_length": max(int(np.asarray(ids).shape[-1]) for ids, _ in (*fit, *validation)),
         POSITIONS_ENTRY: encoder.position_extension,
     }
-    fingerprint = model_fingerprint(encoder)
+    options["modules"] = [{"name": name} for name in module_names(encoder)]
+    fingerprint = model_signature(encoder)
     done, done_heads = _resumed(checkpoint, fingerprint, options)
     attention = FittedAttention([], window, sink_keys, exact_sep)
     layers = _EncoderLayers(
@@ -383,7 +413,7 @@ def _with_heads(options: dict[str, Any], attention: FittedAttention) -> dict[str
 
 
 def _resumed(
-    checkpoint: str | Path | None, fingerprint: str, options: dict[str, Any]
+    checkpoint: str | Path | None, fingerprint: dict[str, Any], options: dict[str, Any]
 ) -> tuple[list[la.FeatureMap | None], list[tuple[int, ...]]]:
     """The layers a checkpoint of this model and these options holds (none: []), and
     their exact heads."""
@@ -418,8 +448,11 @@ def save_fitted(path: str | Path, converted: ConvertedEncoder) -> Path:
 def load_fitted(
     path: str | Path, encoder: BertEncoder
 ) -> tuple[list[tuple[la.FeatureMap | None, np.ndarray | None]], dict[str, Any]]:
-    """The fitted maps of ``encoder`` (:func:`linattn.transfer.load_maps`, fingerprint checked)."""
-    return load_maps(path, model_fingerprint=model_fingerprint(encoder))
+    """The fitted maps of ``encoder`` (:func:`linattn.transfer.load_maps`, the model's
+    signature checked; a file of format 1 by :func:`model_fingerprint`)."""
+    return load_maps(
+        path, model_fingerprint=model_signature(encoder), legacy=lambda: model_fingerprint(encoder)
+    )
 
 
 def attention_from_file(path: str | Path, encoder: BertEncoder) -> FittedAttention:

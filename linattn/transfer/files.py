@@ -1,6 +1,15 @@
 """The fitted-maps file: one model's maps in a safetensors file (:func:`save_maps`,
-:func:`load_maps`) with the model's fingerprint, the linattn version and the options
+:func:`load_maps`) with what they were fitted to (the model's attention signature,
+:mod:`linattn.transfer.fingerprint`), the linattn version, the options and the format
 (:data:`FORMAT`); :func:`exact_heads_of` reads a conversion's exact heads from them.
+
+One format for every route: the NumPy BERT's conversion (``linattn convert``,
+:func:`linattn.models.convert.convert_encoder`), the transformers integration's
+``convert`` and ``refine`` write the same file, and each reads the others' (the
+signature is computed from the attention layers' weights, whichever library holds them,
+and survives a cast to bfloat16 or float16).  A file names its format; this version
+reads :data:`READABLE` (files of linattn versions before the signature, format 1, are
+checked by their route's own fingerprint).
 
 A file is written under a temporary name in its folder and renamed when whole, so that
 an interrupted write never leaves a partial file under the final name (a later load, or
@@ -14,18 +23,34 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from linattn.features import FeatureMap
+from linattn.transfer.fingerprint import digest, mismatch
 
-__all__ = ["EXACT_HEADS_ENTRY", "FORMAT", "exact_heads_of", "load_maps", "save_maps"]
+__all__ = [
+    "EXACT_HEADS_ENTRY",
+    "FORMAT",
+    "READABLE",
+    "Fingerprint",
+    "exact_heads_of",
+    "load_maps",
+    "save_maps",
+]
 
-#: The ``format`` entry of a fitted-maps file's metadata.
-FORMAT = "linattn-fitted-maps/1"
+#: The ``format`` entry of a fitted-maps file's metadata (the one written).
+FORMAT = "linattn-fitted-maps/2"
+#: The formats this version reads: 1 (a route's own fingerprint of every weight) and 2
+#: (the attention signature, the modules' names).
+READABLE = ("linattn-fitted-maps/1", FORMAT)
+#: What a model is checked against: its fingerprint (format 1's string), its signature
+#: (:func:`linattn.transfer.fingerprint.signature`), or a function of the file's options
+#: that returns either (the modules a file names decide which tensors are signed).
+Fingerprint = str | Mapping[str, Any] | Callable[[Mapping[str, Any]], str | Mapping[str, Any]]
 #: The options entry of a fitted-maps file that lists each layer's exact heads (query
 #: heads attending to every key exactly: :func:`linattn.with_exact_heads`).
 EXACT_HEADS_ENTRY = "exact_heads_per_layer"
@@ -35,7 +60,7 @@ def save_maps(
     path: str | Path,
     maps: Sequence[FeatureMap | None],
     *,
-    model_fingerprint: str,
+    model_fingerprint: str | Mapping[str, Any],
     options: dict[str, Any] | None = None,
     complete: bool = True,
 ) -> Path:
@@ -45,9 +70,9 @@ def save_maps(
     resumes a conversion, and :func:`load_maps` refuses it for use.
 
     The metadata holds ``FORMAT``, the linattn version, ``model_fingerprint`` (the
-    caller's digest of the model's weights and configuration), each map's softmax scale
-    and ``options`` (JSON: how the maps were fitted and are to be called).  Needs the
-    ``safetensors`` package.
+    model's attention signature, :func:`linattn.transfer.fingerprint.signature`, and its
+    digest; a string is kept as it is), each map's softmax scale and ``options`` (JSON:
+    how the maps were fitted and are to be called).  Needs the ``safetensors`` package.
 
     Examples
     --------
@@ -72,10 +97,12 @@ def save_maps(
             raise ValueError(f"maps[{layer}] must be a fitted map; got kind={fm.kind!r}")
         for name, array in fm.parameters.arrays().items():
             tensors[f"layer.{layer}.{name}"] = np.ascontiguousarray(array)
+    signed = isinstance(model_fingerprint, Mapping)
     metadata = {
         "format": FORMAT,
         "linattn_version": linattn.__version__,
-        "model_fingerprint": str(model_fingerprint),
+        "model_fingerprint": digest(model_fingerprint) if signed else str(model_fingerprint),
+        **({"model_signature": json.dumps(model_fingerprint)} if signed else {}),
         "num_layers": str(len(maps)),
         "options": json.dumps(options or {}, sort_keys=True),
         "scales": json.dumps([None if m is None else m.scale for m in maps]),
@@ -116,7 +143,11 @@ def exact_heads_of(options: Mapping[str, Any], num_layers: int) -> list[tuple[in
 
 
 def load_maps(
-    path: str | Path, *, model_fingerprint: str | None, partial: bool = False
+    path: str | Path,
+    *,
+    model_fingerprint: Fingerprint | None,
+    partial: bool = False,
+    legacy: Callable[[], str] | None = None,
 ) -> tuple[list[tuple[FeatureMap | None, np.ndarray | None]], dict[str, Any]]:
     """A model's fitted maps as ``[(feature_map, far_weight) per layer]``, and the options.
 
@@ -132,10 +163,13 @@ def load_maps(
     Raises
     ------
     ValueError
-        The file is not a fitted-maps file, was fitted for another model (its
-        ``model_fingerprint`` differs; ``None`` skips this check), written by another
-        linattn version, is damaged (a layer it lists missing or malformed) or is a
-        checkpoint of an unfinished conversion (without ``partial``).
+        The file is not a fitted-maps file, is in a format this version cannot read
+        (the message names the version that wrote it), was fitted for another model
+        (``model_fingerprint``: a signature that does not match the file's, or a string
+        that differs from it; ``None`` skips this check; a format-1 file, which has no
+        signature, is checked by ``legacy()``, its route's fingerprint), is damaged (a
+        layer it lists missing or malformed) or is a checkpoint of an unfinished
+        conversion (without ``partial``).
     """
     from safetensors import safe_open
 
@@ -148,18 +182,14 @@ def load_maps(
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except Exception as error:  # OSError, or safetensors' own error for a foreign file
         raise ValueError(f"path must be a linattn fitted-maps file; {path}: {error}") from None
-    if metadata.get("format") != FORMAT:
+    written = metadata.get("format", "")
+    if not written.startswith("linattn-fitted-maps/"):
         raise ValueError(f"path must be a linattn fitted-maps file ({FORMAT}); {path} is not")
-    found = metadata.get("model_fingerprint")
-    if model_fingerprint is not None and found != model_fingerprint:
+    if written not in READABLE:
         raise ValueError(
-            f"{path} was fitted for another model (fingerprint {found}); this model's is "
-            f"{model_fingerprint}"
-        )
-    if metadata.get("linattn_version") != linattn.__version__:
-        raise ValueError(
-            f"{path} was written by linattn {metadata.get('linattn_version')}; this is "
-            f"{linattn.__version__}: refit the maps"
+            f"{path} is in format {written}, written by linattn "
+            f"{metadata.get('linattn_version')}; this linattn ({linattn.__version__}) reads "
+            f"{', '.join(READABLE)}: upgrade linattn"
         )
     try:
         scales = json.loads(metadata["scales"])
@@ -169,6 +199,8 @@ def load_maps(
         complete = json.loads(metadata.get("complete", "true"))
     except (KeyError, ValueError) as error:
         raise ValueError(f"{path} is damaged: its metadata lacks or garbles {error}") from None
+    if model_fingerprint is not None:
+        _check_model(path, metadata, options, model_fingerprint, legacy)
     if not isinstance(scales, list) or len(scales) != count:
         raise ValueError(f"{path} is damaged: {count} layers but scales for {scales!r}")
     try:
@@ -199,6 +231,40 @@ def load_maps(
         assert fm.parameters is not None
         layers.append((fm, fm.parameters.far_weight))
     return layers, options
+
+
+def _check_model(
+    path: Path,
+    metadata: Mapping[str, str],
+    options: Mapping[str, Any],
+    expected: Fingerprint,
+    legacy: Callable[[], str] | None,
+) -> None:
+    """ValueError unless the file was fitted to the model ``expected`` describes."""
+    if callable(expected):
+        expected = expected(options)
+    found = metadata.get("model_fingerprint")
+    if "model_signature" in metadata and isinstance(expected, Mapping):
+        why = mismatch(json.loads(metadata["model_signature"]), expected)
+        if why is not None:
+            raise ValueError(
+                f"{path} was fitted for another model ({why}; fingerprint {found}); this "
+                f"model's is {digest(expected)}"
+            )
+        return
+    if isinstance(expected, Mapping):  # (a format-1 file: its route's own fingerprint)
+        if legacy is None:
+            raise ValueError(
+                f"{path} has no model signature (written by linattn "
+                f"{metadata.get('linattn_version')}): load it through the route that wrote "
+                "it, or pass model_fingerprint=None to skip the check"
+            )
+        expected = legacy()
+    if found != expected:
+        raise ValueError(
+            f"{path} was fitted for another model (fingerprint {found}); this model's is "
+            f"{expected}"
+        )
 
 
 def _fitted_map(tensors: Mapping[str, np.ndarray], prefix: str, scale: Any) -> FeatureMap:

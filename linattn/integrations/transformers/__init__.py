@@ -45,6 +45,7 @@ from linattn.integrations.transformers.files import (
     load_fitted,
     map_from_file,
     model_fingerprint,
+    model_signature,
     module_fingerprint,
     save_fitted,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "load_fitted",
     "map_from_file",
     "model_fingerprint",
+    "model_signature",
     "module_fingerprint",
     "refine",
     "register",

@@ -54,7 +54,8 @@ def register(**options: Any) -> None:
         (0): the window/sink hybrid (``linattn.linear_attention``).  ``exact_keys``
         (None): keys every query attends exactly, bidirectional models only:
         ``"special"`` for each row's first and last real token (``[CLS]`` and ``[SEP]``
-        in BERT models, found from the attention mask), or a callable taking the
+        in BERT models, found from the attention mask), ``"sep"`` for the last alone
+        (as ``linattn convert`` fits), or a callable taking the
         ``(B, L_k)`` boolean key mask (True for real tokens; all True without padding)
         and returning a ``(B, L_k)`` boolean tensor (True for the exact keys).  A
         model's ``config.linattn = {...}`` overrides them per model.
@@ -169,6 +170,22 @@ def attention_forward(
         else:
             out = splice_exact_heads(module, out, query, key, value, key_mask, causal, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def last_keys(key_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last real token (``[SEP]`` in BERT models), ``(..., L_k)`` boolean
+    (none in a row without one).
+
+    Examples
+    --------
+    >>> import torch
+    >>> last_keys(torch.tensor([[1, 1, 1, 0], [0, 1, 1, 0]], dtype=torch.bool)).int()
+    tensor([[0, 0, 1, 0],
+            [0, 0, 1, 0]], dtype=torch.int32)
+    """
+    positions = torch.arange(key_mask.shape[-1], device=key_mask.device)
+    last = torch.where(key_mask, positions, -1).amax(dim=-1, keepdim=True)
+    return (positions == last) & key_mask
 
 
 def special_keys(key_mask: torch.Tensor) -> torch.Tensor:
@@ -351,6 +368,8 @@ def _exact_keys(
     )
     if rule == "special":
         return special_keys(mask)[:, None]
+    if rule == "sep":  # each row's last real token ([SEP]): linattn convert's exact key
+        return last_keys(mask)[:, None]
     exact = rule(mask)
     if (
         not isinstance(exact, torch.Tensor)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,14 @@ from linattn.features import FeatureMap
 from linattn.integrations.transformers.options import Model, use_linattn
 from linattn.integrations.transformers.state import state_of, update
 from linattn.transfer import EXACT_HEADS_ENTRY, exact_heads_of, load_maps, save_maps
+from linattn.transfer.fingerprint import layer_mismatch, signature
 
 __all__ = [
     "file_exact_heads",
     "load_fitted",
     "map_from_file",
     "model_fingerprint",
+    "model_signature",
     "module_fingerprint",
     "save_fitted",
 ]
@@ -46,8 +48,43 @@ def _tensor_digest(digest: Any, state: Mapping[str, torch.Tensor]) -> None:
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
+def model_signature(model: Model, names: Sequence[str]) -> dict[str, Any]:
+    """What fitted maps are fitted to: the model's shape and positions and the weights of
+    its attention modules ``names`` (:func:`linattn.transfer.fingerprint.signature`),
+    the same as :func:`linattn.models.convert.model_signature` for the same BERT, in
+    any dtype."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    facts = {
+        "layers": len(names), "heads": heads, "head_dim": int(head_dim),
+        "positions": getattr(config, "max_position_embeddings", None),
+    }  # fmt: skip
+    layers = [dict(_module(model, name).state_dict()) for name in names]
+    return signature(facts, layers)
+
+
+def _module(model: Model, name: str) -> torch.nn.Module:
+    """``model``'s module ``name``, or the one module whose name ends with it (a file
+    written for ``BertModel`` names ``encoder.layer.0.attention.self``; a
+    ``BertForSequenceClassification`` holds it as ``bert.encoder...``)."""
+    try:
+        found: torch.nn.Module = model.get_submodule(name)
+        return found
+    except AttributeError:
+        pass
+    matches = [m for n, m in model.named_modules() if n.endswith("." + name)]
+    if len(matches) != 1:
+        raise ValueError(
+            f"the file's maps are for module {name!r}, which this model "
+            f"({type(model).__name__}) {'has more than once' if matches else 'lacks'}"
+        )
+    return matches[0]
+
+
 def model_fingerprint(model: Model) -> str:
-    """SHA-256 (16 hex digits) of the model's configuration and every weight.
+    """SHA-256 (16 hex digits) of the model's configuration and every weight: the
+    fingerprint of fitted-maps files of format 1 (before :func:`model_signature`).
 
     The configuration is its JSON less what does not change the computation (names,
     versions, ``config.linattn``, the attention implementation, output switches).
@@ -96,7 +133,7 @@ def save_fitted(model: Model, path: str | Path) -> Path:
     written = save_maps(
         path,
         [state_of(m).fitted for _, m in entries],
-        model_fingerprint=model_fingerprint(model),
+        model_fingerprint=model_signature(model, [n for n, _ in entries]),
         options=options,
     )
     model.config.linattn = {**settings, "fitted": str(Path(path).resolve())}
@@ -141,11 +178,20 @@ def load_fitted(
     ------
     ValueError
         ``path`` is not a fitted-maps file, was fitted for another model (the message
-        gives both fingerprints) or written by another linattn version.
+        says what differs and gives both fingerprints) or is in a format this linattn
+        cannot read.  Files of every route load here: ``linattn convert``'s and
+        :func:`linattn.models.convert.convert_encoder`'s too (their modules are named
+        as in ``BertModel``), into the model in any dtype.
     """
-    layers, options = load_maps(path, model_fingerprint=model_fingerprint(model))
+
+    def signed(options: Mapping[str, Any]) -> dict[str, Any]:
+        return model_signature(model, [entry["name"] for entry in options["modules"]])
+
+    layers, options = load_maps(
+        path, model_fingerprint=signed, legacy=lambda: model_fingerprint(model)
+    )
     settings = _settings_of(options, exact_keys, path)
-    modules = [model.get_submodule(entry["name"]) for entry in options["modules"]]
+    modules = [_module(model, entry["name"]) for entry in options["modules"]]
     heads = file_exact_heads(options)
     for module, module_heads, (fm, _) in zip(modules, heads, layers, strict=True):
         fitted = {} if fm is None else {"fitted": fm}
@@ -153,6 +199,18 @@ def load_fitted(
     model.config.linattn = {**settings, "fitted": str(Path(path).resolve())}
     use_linattn(model)
     return model
+
+
+def _file_signature(path: str | Path) -> list[dict[str, Any]] | None:
+    """The per-layer signatures a file holds (None: a format-1 file, which has none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        metadata = f.metadata() or {}
+    if "model_signature" not in metadata:
+        return None
+    layers: list[dict[str, Any]] = json.loads(metadata["model_signature"])["layers"]
+    return layers
 
 
 def file_exact_heads(options: Mapping[str, Any]) -> list[tuple[int, ...]]:
@@ -185,22 +243,33 @@ def map_from_file(
         if cached is None or cached[0] != modified:
             layers, options = load_maps(path, model_fingerprint=None)
             entries = options.get("modules", [])
-            table = {
-                entry["fingerprint"]: (fm, heads)
-                for entry, heads, (fm, _) in zip(
-                    entries, file_exact_heads(options), layers, strict=False
+            signed = _file_signature(path)
+            table = [
+                (entry.get("fingerprint"), None if signed is None else signed[i], fm, heads)
+                for i, (entry, heads, (fm, _)) in enumerate(
+                    zip(entries, file_exact_heads(options), layers, strict=False)
                 )
                 if fm is not None
-            }
+            ]
             cached = _files[key] = (modified, table, options)
     _, table, options = cached
-    fingerprint = module_fingerprint(module)
-    found = table.get(fingerprint)
+    mine = signature({}, [dict(module.state_dict())])["layers"][0]
+    fingerprint = None
+    found = None
+    for old, layer, fm, heads in table:
+        if layer is not None and layer_mismatch(layer, mine) is None:
+            found = (fm, heads)
+            break
+        if layer is None:  # (format 1: the module's weights' exact hash)
+            fingerprint = fingerprint or module_fingerprint(module)
+            if old == fingerprint:
+                found = (fm, heads)
+                break
     if found is None:
         raise ValueError(
             f"config.linattn['fitted'] = {str(path)!r} holds no map for this model's "
-            f"{type(module).__name__} (weights fingerprint {fingerprint}): the file was fitted "
-            "for another model"
+            f"{type(module).__name__} (no layer of the file has its weights): the file was "
+            "fitted for another model"
         )
     for name in ("window", "sink_keys"):
         if options.get(name) != settings.get(name):

@@ -67,7 +67,8 @@ def check_options(
     Raises
     ------
     TypeError
-        An unknown option, or ``exact_keys`` neither None, ``"special"`` nor callable.
+        An unknown option, or ``exact_keys`` neither None, ``"special"``, ``"sep"`` nor
+        callable.
     ValueError
         ``num_features`` neither a positive integer nor None; ``num_features=None``
         without ``window``, ``sink_keys`` or ``exact_keys`` (nothing left to attend), or
@@ -98,11 +99,11 @@ def check_options(
         )
     if kind is not None and kind not in KINDS:
         raise ValueError(f"{where}: kind must be None or one of {sorted(KINDS)}; got {kind!r}")
-    if not (exact_keys is None or exact_keys == "special" or callable(exact_keys)):
+    if not (exact_keys is None or exact_keys in ("special", "sep") or callable(exact_keys)):
         raise TypeError(
             f"{where}: exact_keys must be None, 'special' (each row's first and last real "
-            f"token: [CLS] and [SEP]) or a callable (B, L_k) key mask -> (B, L_k) boolean "
-            f"tensor; got {exact_keys!r}"
+            f"token: [CLS] and [SEP]), 'sep' (the last: [SEP]) or a callable (B, L_k) key "
+            f"mask -> (B, L_k) boolean tensor; got {exact_keys!r}"
         )
     try:  # the front door's own check of the hybrid's options, on no keys
         check_exact_parts(
