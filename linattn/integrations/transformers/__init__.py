@@ -10,7 +10,9 @@ derived per row from the mask (``exact_keys="special"``: ``[CLS]`` and ``[SEP]``
 :class:`linattn.LinearAttentionState` per layer and passes only the new tokens on.
 :func:`convert` fits a model's attention (fitted feature maps, weights frozen);
 :func:`refine` fits the converted layers' maps together, end to end; :func:`save_fitted`
-and :func:`load_fitted` keep the maps in a file, :func:`layer_errors` measures them.
+and :func:`load_fitted` keep the maps in a file, :func:`save_pretrained` saves the
+converted model as one folder (maps inside) that ``AutoModel.from_pretrained`` and
+``SentenceTransformer`` load, :func:`layer_errors` measures them.
 Importing this package makes ``attn_implementation="linattn"`` available with the
 default options.
 
@@ -48,6 +50,7 @@ from linattn.integrations.transformers.files import (
     model_signature,
     module_fingerprint,
     save_fitted,
+    save_pretrained,
 )
 from linattn.integrations.transformers.options import (
     DEFAULTS,
@@ -81,6 +84,7 @@ __all__ = [
     "refine",
     "register",
     "save_fitted",
+    "save_pretrained",
     "special_keys",
     "splice_exact_heads",
     "state_of",

@@ -24,7 +24,7 @@ from linattn.attention import linear_attention, with_exact_heads
 from linattn.features import SOFTMAX_KINDS, FeatureMap
 from linattn.integrations.transformers.cache import take_layer
 from linattn.integrations.transformers.capture import AttentionCall, capture_hook
-from linattn.integrations.transformers.files import map_from_file
+from linattn.integrations.transformers.files import map_from_file, resolve_fitted
 from linattn.integrations.transformers.options import NAME, options_for, set_options
 from linattn.integrations.transformers.state import state_of, update
 
@@ -405,7 +405,8 @@ def _feature_map(
     """
     fitted = state_of(module).fitted
     if fitted is None and settings.get("fitted") is not None:
-        untraced(map_from_file, module, settings["fitted"], settings)  # keeps it on module
+        path = resolve_fitted(settings["fitted"], getattr(module, "config", None))
+        untraced(map_from_file, module, path, settings)  # keeps it on module
         fitted = state_of(module).fitted  # (read back: a value torch.compile can guard)
     if fitted is not None:
         expected = head_dim**-0.5 if scaling is None else scaling

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from linattn.features import FeatureMap
-from linattn.integrations.transformers.options import Model, use_linattn
+from linattn.integrations.transformers.options import NAME, Model, use_linattn
 from linattn.integrations.transformers.state import state_of, update
 from linattn.transfer import EXACT_HEADS_ENTRY, exact_heads_of, load_maps, save_maps
 from linattn.transfer.fingerprint import layer_mismatch, signature
@@ -27,7 +27,9 @@ __all__ = [
     "model_fingerprint",
     "model_signature",
     "module_fingerprint",
+    "resolve_fitted",
     "save_fitted",
+    "save_pretrained",
 ]
 
 #: The options of ``config.linattn`` a conversion sets.
@@ -138,6 +140,82 @@ def save_fitted(model: Model, path: str | Path) -> Path:
     )
     model.config.linattn = {**settings, "fitted": str(Path(path).resolve())}
     return written
+
+
+#: The maps' file inside a folder :func:`save_pretrained` writes.
+MAPS_FILE = "linattn-maps.safetensors"
+
+
+def save_pretrained(model: Any, folder: str | Path) -> Path:
+    """Save a converted model as one folder that moves and is shared as a whole: the
+    model as transformers (or sentence-transformers) saves it, its fitted maps inside
+    (:data:`MAPS_FILE`, named relative to the folder in ``config.linattn``), and
+    ``"attn_implementation": "linattn"`` in its ``config.json``.
+
+    Load it with ``AutoModel.from_pretrained(folder)`` or ``SentenceTransformer(folder)``
+    after ``import linattn.integrations.transformers``; without that import transformers
+    refuses the folder (``attn_implementation="linattn"`` is unknown to it) instead of
+    running exact attention.
+
+    Parameters
+    ----------
+    model : transformers model or sentence_transformers.SentenceTransformer
+        Converted (:func:`~linattn.integrations.transformers.convert`) or loaded with
+        its maps (:func:`load_fitted`); a SentenceTransformer's first module's model.
+    folder : path
+        Written (created if needed).
+
+    Returns
+    -------
+    Path
+        The maps' file.
+
+    Examples
+    --------
+    >>> save_pretrained(model, "minilm-linattn")  # doctest: +SKIP
+    >>> SentenceTransformer("minilm-linattn").encode(["a long document ..."])  # doctest: +SKIP
+    """
+    folder = Path(folder)
+    sentence = hasattr(model, "save") and hasattr(model, "_first_module")
+    hf = model._first_module().auto_model if sentence else model
+    if not any(state_of(m).fitted is not None for m in hf.modules()):
+        raise ValueError("model has no fitted maps: convert(...) it or load_fitted(...) first")
+    settings = dict(getattr(hf.config, "linattn", None) or {})
+    hf.config.linattn = {**settings, "fitted": MAPS_FILE}  # (config.json: relative)
+    try:
+        if sentence:
+            model.save(str(folder))
+        else:
+            model.save_pretrained(folder)
+    finally:
+        hf.config.linattn = settings
+    inner = folder / (_first_module_path(folder) if sentence else "")
+    maps = save_fitted(hf, inner / MAPS_FILE)  # (config.linattn["fitted"]: absolute here)
+    config_file = inner / "config.json"
+    config = json.loads(config_file.read_text())
+    config["attn_implementation"] = NAME
+    config["linattn"] = {**config.get("linattn", {}), "fitted": MAPS_FILE}
+    temporary = config_file.with_name(config_file.name + ".tmp")
+    temporary.write_text(json.dumps(config, indent=2, sort_keys=True))
+    temporary.replace(config_file)
+    return maps
+
+
+def _first_module_path(folder: Path) -> str:
+    """Where a SentenceTransformer saved its first module (``modules.json``'s ``path``
+    of module 0: the folder itself in sentence-transformers 3 and later)."""
+    modules = json.loads((folder / "modules.json").read_text())
+    return str(next(m for m in modules if int(m["idx"]) == 0)["path"])
+
+
+def resolve_fitted(path: str, config: Any) -> str:
+    """``config.linattn["fitted"]`` as a path: relative ones are the model folder's
+    (``config._name_or_path``, where :func:`save_pretrained` put the file)."""
+    if Path(path).is_absolute():
+        return path
+    base = Path(str(getattr(config, "_name_or_path", "") or ""))
+    candidate = base / path
+    return str(candidate) if base.is_dir() and candidate.exists() else path
 
 
 def _settings_of(options: Mapping[str, Any], exact_keys: Any, path: str | Path) -> dict[str, Any]:
