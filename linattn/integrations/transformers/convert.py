@@ -56,7 +56,7 @@ class ModelLayers:
         for batch in self.inputs[split]:
             captured = run(self.model, batch, self.catcher)
             assert captured is not None
-            out.append(captured)
+            out.append(on_host(captured))
         return out
 
     def fit_options(self, layer: int) -> dict[str, Any]:
@@ -68,6 +68,16 @@ class ModelLayers:
 
     def advance(self, layer: int) -> None:
         pass  # (every capture runs the model from its inputs)
+
+
+def on_host(batch: LayerBatch) -> LayerBatch:
+    """A batch of CPU tensors as NumPy arrays (the same memory where it is contiguous):
+    the fit then runs as ``linattn convert``'s does, its pieces on threads and BLAS on
+    one (on torch tensors it ran single-threaded through the array API, 2.5-7x slower).
+    Tensors on an accelerator stay where they are."""
+    if not all(x is None or x.device.type == "cpu" for x in batch):
+        return batch
+    return LayerBatch(*(None if x is None else np.ascontiguousarray(x.numpy()) for x in batch))
 
 
 @dataclass
