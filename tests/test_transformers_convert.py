@@ -736,6 +736,7 @@ if sentence != "-":
     st = SentenceTransformer(sentence, device="cpu")
     result["st"] = st.encode(texts).tolist()
     result["max_seq_length"] = st.max_seq_length
+    result["positions"] = st[0].auto_model.config.max_position_embeddings
 print(json.dumps(result))
 """
 
@@ -743,9 +744,10 @@ print(json.dumps(result))
 def test_a_saved_folder_loads_elsewhere_in_a_fresh_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``save_pretrained`` writes one folder (the maps inside, named relative to it):
     copied elsewhere, a fresh process loads it with ``AutoModel.from_pretrained`` (and,
-    for a SentenceTransformer, ``SentenceTransformer(folder)``) after one linattn import
-    and gets the saving process's outputs; without the import transformers refuses the
-    folder instead of running exact attention."""
+    for a SentenceTransformer with its positions extended to 1,024 and ``max_seq_length``
+    raised to match, ``SentenceTransformer(folder)``) after one linattn import and gets
+    the saving process's outputs; without the import transformers refuses the folder
+    instead of running exact attention."""
     import json
     import shutil
     import subprocess
@@ -761,13 +763,16 @@ def test_a_saved_folder_loads_elsewhere_in_a_fresh_process(tmp_path) -> None:  #
     texts = ["A first document about rivers and the towns along them.", "A second one."]
     sentence = "-"
     st = _sentence_transformer()
-    if st is not None:
+    if st is not None:  # with its positions extended: long documents in the user's stack
+        from linattn.models.positions import extend_positions
+
+        extend_positions(st[0].auto_model, 1024)
         ids = st.tokenize(texts)
         convert(
             st[0].auto_model, [dict(ids)], [dict(ids)], window=WINDOW, sink_keys=SINKS,
             num_features=8, steps=2, exact_keys="special", progress=lambda line: None,
         )  # fmt: skip
-        st.max_seq_length = 128
+        st.max_seq_length = 1024
         save_pretrained(st, tmp_path / "st-saved")
         shutil.copytree(tmp_path / "st-saved", tmp_path / "st-moved")
         shutil.rmtree(tmp_path / "st-saved")
@@ -785,7 +790,7 @@ def test_a_saved_folder_loads_elsewhere_in_a_fresh_process(tmp_path) -> None:  #
     np.testing.assert_allclose(np.array(found["hf"])[real], want[real], atol=1e-6)
     if st is not None:
         np.testing.assert_allclose(np.array(found["st"]), st.encode(texts), atol=1e-6)
-        assert found["max_seq_length"] == 128
+        assert found["max_seq_length"] == 1024 and found["positions"] == 1024
     refused = subprocess.run(
         [sys.executable, "-c", "import sys, transformers; "
          "transformers.AutoModel.from_pretrained(sys.argv[1])", str(tmp_path / "moved")],
