@@ -323,6 +323,34 @@ def plot(out: dict[str, Any], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+NAMES = ("exact", "chunks", "window", "hybrid", "fitted-512", "fitted-2k")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of ``docs/long-documents.md``: per length and configuration,
+    nDCG@1 of both tasks, the fidelity cosines, seconds per document, peak memory."""
+    lines = [
+        "| L | configuration | passkey nDCG@1 | needle nDCG@1 | cosine mean | cosine min "
+        "| s / document | peak MiB |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in sorted(rows, key=lambda r: r["length"]):
+        for name in NAMES:
+            if name not in row:
+                continue
+            r = row[name]
+
+            def cell(key: str, digits: int = 2, r: dict[str, Any] = r) -> str:
+                return f"{r[key]:.{digits}f}" if key in r else "-"
+
+            lines.append(
+                f"| {row['length']:,} | {name} | {cell('passkey_ndcg1')} | "
+                f"{cell('needle_ndcg1')} | {cell('cosine_mean', 3)} | {cell('cosine_min', 3)} "
+                f"| {cell('passkey_seconds')} | {r.get('peak_mib', 0):.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -340,13 +368,16 @@ def main() -> None:
     parser.add_argument(
         "--replot",
         type=Path,
+        nargs="+",
         default=None,
         metavar="JSON",
-        help="only draw --plot from a JSON file this script wrote",
+        help="only draw --plot and print the table from JSON files this script wrote",
     )
     args = parser.parse_args()
-    if args.replot is not None:
-        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+    if args.replot is not None:  # (several files: their rows together)
+        out = {"rows": [r for f in args.replot for r in json.loads(f.read_text())["rows"]]}
+        plot(out, args.plot or args.replot[0].with_suffix(".png"))
+        print(table(out["rows"]))
         return
     out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": []}
     for length in args.lengths:
