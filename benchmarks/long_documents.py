@@ -69,6 +69,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_model_speed import _peak, _reset_peak, _rss
 
+from linattn.models.positions import METHODS
+
 PASSKEY_FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 )
@@ -360,7 +362,7 @@ def main() -> None:
     parser.add_argument("--fitted-512", default=None, metavar="DIR")
     parser.add_argument("--fitted-2k", default=None, metavar="DIR")
     parser.add_argument("--exact-up-to", type=int, default=8192)
-    parser.add_argument("--positions", choices=("interpolate", "group"), default="interpolate")
+    parser.add_argument("--positions", choices=METHODS, default="interpolate")
     parser.add_argument("--only", nargs="+", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)

@@ -232,3 +232,19 @@ def test_pieces_cut_along_query_rows_give_the_batch_loss_and_gradient() -> None:
         np.testing.assert_allclose(grad_cut[name], grad_whole[name], rtol=1e-10, atol=1e-14)
     start = start_far_weight(p, whole).far_weight
     np.testing.assert_array_equal(start_far_weight(p, cut).far_weight, start)
+
+
+def test_the_command_line_offers_every_position_method() -> None:
+    from linattn.cli._options import build_parser
+    from linattn.models.positions import METHODS
+
+    from linattn.cli import COMMANDS
+
+    parser = build_parser(COMMANDS)
+    convert = next(
+        action.choices["convert"]
+        for action in parser._actions
+        if isinstance(action.choices, dict) and "convert" in action.choices
+    )
+    positions = next(a for a in convert._actions if a.dest == "positions")
+    assert tuple(positions.choices) == METHODS

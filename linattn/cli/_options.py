@@ -485,6 +485,8 @@ def build_parser(
         "position table is extended to N first (--positions), and the file says so",
     )  # fmt: skip
     convert.add_argument(
+        # (linattn.models.positions.METHODS, not imported here: linattn.models needs scipy;
+        # tests/test_long_documents.py checks that they agree)
         "--positions", choices=("interpolate", "group"), default="interpolate",
         help="how positions past the model's own are made (default: interpolate, position "
         "interpolation; docs/long-documents.md)",
