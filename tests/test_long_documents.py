@@ -235,10 +235,9 @@ def test_pieces_cut_along_query_rows_give_the_batch_loss_and_gradient() -> None:
 
 
 def test_the_command_line_offers_every_position_method() -> None:
+    from linattn.cli import COMMANDS
     from linattn.cli._options import build_parser
     from linattn.models.positions import METHODS
-
-    from linattn.cli import COMMANDS
 
     parser = build_parser(COMMANDS)
     convert = next(
