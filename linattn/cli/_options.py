@@ -82,7 +82,8 @@ _count = number(integer=True, positive=True)
 def _count_or_file(value: str) -> int | Path:
     """A positive count, or the path of a file (anything that is not a number)."""
     if value.strip().lstrip("+-").isdigit():
-        return _count(value)
+        count: int = _count(value)
+        return count
     return Path(value)
 
 

@@ -340,7 +340,7 @@ def convert_encoder(
                     f"{name} batches must be (input_ids, key_mask) of one (B, L) shape with "
                     "real tokens; got one without them or with mismatched shapes"
                 )
-    options = {
+    options: dict[str, Any] = {
         "window": window,
         "sink_keys": sink_keys,
         "exact_keys": "sep" if exact_sep else None,

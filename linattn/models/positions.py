@@ -57,16 +57,19 @@ def extended_table(table: np.ndarray, length: int, method: str = "interpolate") 
     table = np.asarray(table)
     n = table.shape[0]
     _check(length, method, n)
+    out: np.ndarray
     if length == n:
-        return table.copy()
+        out = table.copy()
+        return out
     positions = np.arange(length, dtype=np.float64)
     if method == "group":
-        return table[np.floor(positions * n / length).astype(np.int64)].copy()
+        out = table[np.floor(positions * n / length).astype(np.int64)].copy()
+        return out
     source = positions * (n - 1) / (length - 1)
     low = np.minimum(np.floor(source).astype(np.int64), n - 2)
     frac = (source - low)[:, None]
-    rows = table[low] * (1.0 - frac) + table[low + 1] * frac
-    return rows.astype(table.dtype, copy=False)
+    out = (table[low] * (1.0 - frac) + table[low + 1] * frac).astype(table.dtype, copy=False)
+    return out
 
 
 def position_count(model: Any) -> int:

@@ -97,12 +97,15 @@ def save_maps(
             raise ValueError(f"maps[{layer}] must be a fitted map; got kind={fm.kind!r}")
         for name, array in fm.parameters.arrays().items():
             tensors[f"layer.{layer}.{name}"] = np.ascontiguousarray(array)
-    signed = isinstance(model_fingerprint, Mapping)
+    signed: dict[str, str] = {}
+    if isinstance(model_fingerprint, Mapping):
+        signed = {"model_signature": json.dumps(model_fingerprint)}
+        model_fingerprint = digest(model_fingerprint)
     metadata = {
         "format": FORMAT,
         "linattn_version": linattn.__version__,
-        "model_fingerprint": digest(model_fingerprint) if signed else str(model_fingerprint),
-        **({"model_signature": json.dumps(model_fingerprint)} if signed else {}),
+        "model_fingerprint": str(model_fingerprint),
+        **signed,
         "num_layers": str(len(maps)),
         "options": json.dumps(options or {}, sort_keys=True),
         "scales": json.dumps([None if m is None else m.scale for m in maps]),

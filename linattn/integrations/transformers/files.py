@@ -81,7 +81,8 @@ def _module(model: Model, name: str) -> torch.nn.Module:
             f"the file's maps are for module {name!r}, which this model "
             f"({type(model).__name__}) {'has more than once' if matches else 'lacks'}"
         )
-    return matches[0]
+    module: torch.nn.Module = matches[0]
+    return module
 
 
 def model_fingerprint(model: Model) -> str:
@@ -300,7 +301,10 @@ def file_exact_heads(options: Mapping[str, Any]) -> list[tuple[int, ...]]:
     return exact_heads_of(options, len(entries))
 
 
-_files: dict[str, tuple[float, dict[str, Any], dict[str, Any]]] = {}
+#: Each file's maps by layer: (its modification time, [(format 1's module fingerprint,
+#: format 2's layer signature, map, exact heads)], its options).
+_FileTable = list[tuple[Any, dict[str, Any] | None, FeatureMap, tuple[int, ...]]]
+_files: dict[str, tuple[float, _FileTable, dict[str, Any]]] = {}
 _files_lock = threading.Lock()
 
 
