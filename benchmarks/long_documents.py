@@ -75,7 +75,7 @@ PASSKEY_FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 )
 NAMES = (
-    "Adele", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ingrid", "Jonas",
+    "Adele", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas",
     "Keiko", "Lorenzo", "Mira", "Nikolai", "Olga", "Pablo", "Quentin", "Rosa", "Stefan",
     "Tomoko", "Ulrich", "Vera", "Walter", "Ximena", "Yusuf", "Zofia",
 )  # fmt: skip
