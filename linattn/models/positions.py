@@ -74,7 +74,7 @@ def extended_table(table: np.ndarray, length: int, method: str = "interpolate") 
 
 def position_count(model: Any) -> int:
     """How many positions ``model`` has (its position table's rows): a
-    :class:`linattn.models.bert.BertEncoder` or a transformers BERT-like model."""
+    ``linattn.models.bert.BertEncoder`` or a transformers BERT-like model."""
     if hasattr(model, "weights") and _TABLE in getattr(model, "weights", {}):
         return int(model.weights[_TABLE].shape[0])
     embeddings = _transformers_embeddings(model)
@@ -89,7 +89,7 @@ def extend_positions(model: Any, length: int, method: str = "interpolate") -> di
     Parameters
     ----------
     model : BertEncoder or transformers model
-        A :class:`linattn.models.bert.BertEncoder` (its weights dict), or a transformers
+        A ``linattn.models.bert.BertEncoder`` (its weights dict), or a transformers
         model with BERT's embeddings (``embeddings.position_embeddings``, e.g.
         ``BertModel``; a ``SentenceTransformer``'s ``[0].auto_model``).
     length : int

@@ -70,7 +70,7 @@ def save_maps(
     resumes a conversion, and :func:`load_maps` refuses it for use.
 
     The metadata holds ``FORMAT``, the linattn version, ``model_fingerprint`` (the
-    model's attention signature, :func:`linattn.transfer.fingerprint.signature`, and its
+    model's attention signature, ``linattn.transfer.fingerprint.signature``, and its
     digest; a string is kept as it is), each map's softmax scale and ``options`` (JSON:
     how the maps were fitted and are to be called).  Needs the ``safetensors`` package.
 

@@ -168,7 +168,7 @@ def fit_layer(
         it on stderr when stderr is a terminal).
     query_rows : int, optional
         Query rows the loss takes of each batch longer than this: that many positions
-        drawn per batch (seeded; :func:`linattn.transfer.batches.sampled_rows`), every
+        drawn per batch (seeded; ``linattn.transfer.batches.sampled_rows``), every
         key still counted, so a batch's exact targets and weights hold ``query_rows x L``
         per head instead of ``L x L``.  None (default): every row.  Said in a progress
         line when it samples.
