@@ -207,33 +207,6 @@ def test_packing_joins_consecutive_texts_within_the_limit() -> None:
     assert report == "[]"
 
 
-def test_pieces_cut_along_query_rows_give_the_batch_loss_and_gradient() -> None:
-    """A batch cut into pieces of at most ``limit`` weights, along its rows and then its
-    query rows, gives the same loss and gradient as in one piece (and the same start)."""
-    from linattn import fitted
-    from linattn.transfer.loss import batch_loss_grad
-    from linattn.transfer.start import start_far_weight
-
-    rng = np.random.default_rng(5)
-    q, k, v = (rng.normal(size=(3, 2, 20, 4)) for _ in range(3))
-    mask = np.ones((3, 20), dtype=bool)
-    mask[2, 15:] = False
-    parts = prepare(LayerBatch(q, k, v, mask), 3, 1, False, 0.5)
-    p = fitted.initial_parameters(4, 6, heads=2, key_heads=2, seed=1)
-    whole = parts.pieces(1, limit=1 << 30)
-    cut = parts.pieces(2, limit=2 * 20 * 7)  # 280 weights: 7 query rows of 2 heads x 20
-    # keys in batch row 0 (3 pieces), 3 query rows of batch rows 1-2 together (7 pieces)
-    assert len(whole) == 1
-    assert [int(x.q.shape[-2]) for x in cut] == [7, 7, 6, 3, 3, 3, 3, 3, 3, 2]
-    loss_whole, grad_whole = batch_loss_grad(p, whole)
-    loss_cut, grad_cut = batch_loss_grad(p, cut)
-    np.testing.assert_allclose(loss_cut, loss_whole, rtol=1e-12)
-    for name in grad_whole:
-        np.testing.assert_allclose(grad_cut[name], grad_whole[name], rtol=1e-10, atol=1e-14)
-    start = start_far_weight(p, whole).far_weight
-    np.testing.assert_array_equal(start_far_weight(p, cut).far_weight, start)
-
-
 def test_the_command_line_offers_every_position_method() -> None:
     from linattn.cli import COMMANDS
     from linattn.cli._options import build_parser

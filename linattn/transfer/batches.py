@@ -43,17 +43,6 @@ class LayerBatch(NamedTuple):
     exact_key_mask: Array | None = None
 
 
-#: The :class:`Parts` fields with a query-row axis (second to last).
-_BY_QUERY = ("q", "far", "far_weights", "near_weights", "near_top", "rows", "target")
-
-#: The most weights (``near_weights``' elements) one piece of a batch holds: larger
-#: batches are cut along their rows, then their query rows.  A piece's temporaries then
-#: stay in the allocator's reused memory instead of fresh pages each step (the fit of
-#: 2,048-token documents spent half its time in the kernel, zeroing pages, with pieces
-#: of 200 MiB).
-PIECE_ELEMENTS = 1 << 22
-
-
 @dataclass
 class Parts:
     """What one batch needs besides the parameters (grouped shapes, masks, target)."""
@@ -71,34 +60,16 @@ class Parts:
     target: Array  # (B, H_kv, G, L, d_v): exact softmax output
     grouped: bool
 
-    def pieces(self, count: int = PIECES, limit: int = PIECE_ELEMENTS) -> list[Parts]:
-        """This batch as up to ``count`` batches of consecutive rows (none empty), each
-        cut further along its query rows until its weights hold at most ``limit``
-        elements (:data:`PIECE_ELEMENTS`; at least one query row a piece)."""
+    def pieces(self, count: int = PIECES) -> list[Parts]:
+        """This batch as up to ``count`` batches of consecutive rows (none empty)."""
         size = int(self.q.shape[0])
         bounds = [size * i // count for i in range(count + 1)]
         names = ("q", "k", "v", "far", "far_weights", "near_weights", "near_top", "rows")
-        out = []
-        for a, b in itertools.pairwise(bounds):
-            if b <= a:
-                continue
-            piece = replace(self, **{n: getattr(self, n)[a:b, ...] for n in (*names, "target")})
-            per_row = math.prod(piece.near_weights.shape) // int(piece.q.shape[-2])
-            step = max(1, limit // max(per_row, 1))
-            queries = int(piece.q.shape[-2])
-            if step >= queries:
-                out.append(piece)
-                continue
-            for start in range(0, queries, step):
-                rows = slice(start, start + step)
-                out.append(
-                    replace(piece, **{n: _query_rows(getattr(piece, n), rows) for n in _BY_QUERY})
-                )
-        return out
-
-
-def _query_rows(x: Array, rows: slice) -> Array:
-    return x[..., rows, :]
+        return [
+            replace(self, **{name: getattr(self, name)[a:b, ...] for name in (*names, "target")})
+            for a, b in itertools.pairwise(bounds)
+            if b > a
+        ]
 
 
 def sampled_rows(length: int, count: int | None, seed: int) -> np.ndarray | None:

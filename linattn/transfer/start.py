@@ -21,18 +21,15 @@ def start_far_weight(p: FittedParameters, pieces: Sequence[Parts]) -> FittedPara
     """``g``'s start per key head: the median over real rows of one batch (its
     ``pieces``) of the exact far mass over the initial map's far mass (both relative to
     the row's near mass)."""
-    ratios = [_log_far_mass_ratio(p, parts) for parts in pieces]  # (pieces of rows or
-    # of query rows: each piece's usable values are gathered, the median is of them all)
+    ratios = [_log_far_mass_ratio(p, parts) for parts in pieces]
+    log_ratio = np.concatenate([r[0] for r in ratios])  # (B, H_kv, G, L)
+    rows = np.concatenate([r[1] for r in ratios])  # (B, L)
     g = np.ones(p.far_weight.shape)
-    for h in range(ratios[0][0].shape[1]):
-        usable = []
-        for log_ratio, rows in ratios:  # (b, H_kv, G, l) and (b, l)
-            values = log_ratio[:, h]
-            ok = np.broadcast_to(rows[:, None, :], values.shape) & np.isfinite(values)
-            usable.append(values[ok])
-        found = np.concatenate(usable)
-        if found.size:
-            value = float(np.exp(np.median(found)))
+    for h in range(log_ratio.shape[1]):
+        values = log_ratio[:, h]
+        ok = np.broadcast_to(rows[:, None, :], values.shape) & np.isfinite(values)
+        if ok.any():
+            value = float(np.exp(np.median(values[ok])))
             if g.ndim:
                 g[h] = value
             else:
