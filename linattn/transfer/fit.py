@@ -282,7 +282,8 @@ def _fit_layer(
     def rows(batch: LayerBatch, index: int) -> np.ndarray | None:
         return sampled_rows(int(batch.q.shape[-2]), query_rows, seed * 100_003 + index)
 
-    sampled = [int(b.q.shape[-2]) for b in (*fit, *validation) if rows(b, 0) is not None]
+    lengths = [int(b.q.shape[-2]) for b in (*fit, *validation)]
+    sampled = [n for n in lengths if query_rows is not None and n > query_rows]
     if sampled:
         report(
             f"{query_rows} query rows per batch sampled in {len(sampled)} of "
