@@ -207,6 +207,68 @@ def test_generation_with_the_cache_equals_recomputation(options: dict) -> None:
     torch.testing.assert_close(generated, tokens)
 
 
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.skipif(not HAS_WINDOW, reason="needs linear_attention(window=) (the hybrid)")
+@pytest.mark.parametrize("make", [_gpt2, _llama])
+@pytest.mark.parametrize(
+    "implementation", ["eager", "linattn-features", "linattn-window"], ids=str
+)
+def test_left_padding_gives_the_unpadded_row(make, implementation: str) -> None:  # type: ignore[no-untyped-def]
+    """Sinks are each row's first real tokens: a left-padded row, its prefill and its
+    decoding with the cache, equal the row alone (eager attention: the harness)."""
+    model = make()
+    if implementation != "eager":
+        num_features = 16 if implementation == "linattn-features" else None
+        register(num_features=num_features, window=3, sink_keys=2)
+    model.set_attn_implementation(implementation.split("-")[0])
+    pad = 5
+    ids = torch.randint(3, 50, (2, L), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, L, dtype=torch.long)
+    mask[1, :pad] = 0
+
+    def run(ids: torch.Tensor, mask: torch.Tensor):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(ids, attention_mask=mask, position_ids=positions).logits
+            cache = LinearAttentionCache() if implementation != "eager" else None
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                past_key_values=cache, output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        return logits, torch.stack(out.scores, dim=1), out.sequences[:, ids.shape[1] :]
+
+    logits, scores, tokens = run(ids, mask)
+    alone = run(ids[1:, pad:], mask[1:, pad:])
+    torch.testing.assert_close(logits[1, pad:], alone[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores[1], alone[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tokens[1], alone[2][0])
+
+
+@pytest.mark.skipif(not HAS_WINDOW, reason="needs linear_attention(window=) (the hybrid)")
+def test_left_padding_gives_the_unpadded_row_in_an_encoder() -> None:
+    model = _bert()
+    register(num_features=None, window=3, sink_keys=2, exact_keys="special")
+    model.set_attn_implementation("linattn")
+    pad = 5
+    ids = torch.randint(3, 50, (2, L), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, L, dtype=torch.long)
+    mask[1, :pad] = 0
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        padded = model(ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        alone = model(ids[1:, pad:]).last_hidden_state
+    torch.testing.assert_close(padded[1, pad:], alone[0], rtol=1e-5, atol=1e-5)
+
+
 def test_another_cache_class_is_refused() -> None:
     model = _gpt2()
     register()

@@ -26,6 +26,7 @@ from linattn.integrations.transformers.cache import take_layer
 from linattn.integrations.transformers.capture import AttentionCall, capture_hook
 from linattn.integrations.transformers.files import map_from_file, resolve_fitted
 from linattn.integrations.transformers.options import NAME, options_for, set_options
+from linattn.integrations.transformers.order import SinksFirst
 from linattn.integrations.transformers.state import state_of, update
 
 __all__ = [
@@ -142,11 +143,25 @@ def attention_forward(
         if captured is not None:
             return captured, None
     feature_map = _feature_map(module, settings, query.shape[-1], scaling, causal)
-    q, k, v, grouped_mask, ungroup = grouped(query, key, value, key_mask)
+    # Sinks are each row's first real tokens (left padding too): rows reordered so that
+    # they come first, on a decoding state's first call only (later tokens are real).
+    reorder = (
+        SinksFirst.of(key_mask, settings["sink_keys"], causal)
+        if (layer is None or layer.state is None) and query.shape[-2] == key.shape[-2]
+        else None
+    )
+    inputs, call_mask = (query, key, value), key_mask
+    if reorder is not None:
+        assert key_mask is not None  # (a reordering needs one)
+        inputs = (reorder.take(query), reorder.take(key), reorder.take(value))
+        call_mask = reorder.take_mask(key_mask)
+        if exact_key_mask is not None:
+            exact_key_mask = reorder.take_mask(exact_key_mask)
+    q, k, v, grouped_mask, ungroup = grouped(*inputs, call_mask)
     if feature_map is not None and q.ndim > query.ndim:  # per-head parameters: grouped too
         feature_map = _grouped_map(module, feature_map, int(q.shape[-3]))
     if exact_key_mask is not None:  # shaped like the key mask, grouped alike
-        exact_key_mask = grouped(query, key, value, exact_key_mask)[3]
+        exact_key_mask = grouped(*inputs, exact_key_mask)[3]
     options: dict[str, Any] = {
         "window": settings["window"],
         "sink_keys": settings["sink_keys"],
@@ -164,6 +179,8 @@ def attention_forward(
                 q, k, v, feature_map, causal=causal, key_mask=grouped_mask, **options
             )
         out = ungroup(out)
+        if reorder is not None:
+            out = reorder.restore(out)
         heads = state_of(module).exact_heads
         if layer is not None and heads:
             out = layer.exact_heads(out, query, key, value, key_mask, scaling, heads)

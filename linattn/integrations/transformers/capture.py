@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from linattn.integrations.transformers.options import Model
+from linattn.integrations.transformers.options import Model, options_for
+from linattn.integrations.transformers.order import SinksFirst
 from linattn.transfer import LayerBatch
 
 __all__ = [
@@ -131,10 +132,19 @@ class Capture:
             if call.key_mask is None
             else call.key_mask.expand(batch, 1, length)[:, 0]
         )
-        exact = None if call.exact_key_mask is None else call.exact_key_mask[:, 0]
+        exact = call.exact_key_mask
+        value = call.value
+        # The fit sees the rows as the attention runs them: each row's sinks first.
+        reorder = SinksFirst.of(
+            key_mask[:, None], options_for(call.module)["sink_keys"], call.causal
+        )
+        if reorder is not None:
+            query, key, value = reorder.take(query), reorder.take(key), reorder.take(value)
+            key_mask = reorder.take_mask(key_mask[:, None])[:, 0]
+            exact = None if exact is None else reorder.take_mask(exact)
         dtype = torch.promote_types(query.dtype, torch.float32)  # half precision: fit in float32
-        q, k, v = (x.detach().to(dtype) for x in (query, key, call.value))
-        self.batch = LayerBatch(q, k, v, key_mask, exact)
+        q, k, v = (x.detach().to(dtype) for x in (query, key, value))
+        self.batch = LayerBatch(q, k, v, key_mask, None if exact is None else exact[:, 0])
         self.causal, self.scaling = call.causal, call.scaling
         raise Captured
 

@@ -41,6 +41,7 @@ from linattn.integrations.transformers.capture import (
 )
 from linattn.integrations.transformers.convert import restore_state, save_state
 from linattn.integrations.transformers.options import Model, use_linattn
+from linattn.integrations.transformers.order import SinksFirst
 from linattn.integrations.transformers.state import state_of, update
 from linattn.torch import fitted_attention
 
@@ -107,13 +108,26 @@ class _Hook:
             )
         values = {name: t for name, t in layer.values.items() if name != "log_far_weight"}
         dtype = values["query_weight"].dtype
+        q, k, v = call.query.to(dtype), call.key.to(dtype), call.value.to(dtype)
+        key_mask, exact = call.key_mask, call.exact_key_mask
+        reorder = SinksFirst.of(key_mask, self.sink_keys, call.causal)  # as attention runs
+        if reorder is not None:
+            assert key_mask is not None  # (a reordering needs one)
+            q, k, v, key_mask = (
+                reorder.take(q),
+                reorder.take(k),
+                reorder.take(v),
+                reorder.take_mask(key_mask),
+            )
+            exact = None if exact is None else reorder.take_mask(exact)
         out = fitted_attention(
-            call.query.to(dtype), call.key.to(dtype), call.value.to(dtype),
-            values.pop("query_weight"), **values, far_weight=layer.log_far_weight().exp(),
-            tied="key_weight" not in values, causal=call.causal, key_mask=call.key_mask,
-            exact_key_mask=call.exact_key_mask, window=self.window, sink_keys=self.sink_keys,
-            scale=call.scaling,
+            q, k, v, values.pop("query_weight"), **values,
+            far_weight=layer.log_far_weight().exp(), tied="key_weight" not in values,
+            causal=call.causal, key_mask=key_mask, exact_key_mask=exact, window=self.window,
+            sink_keys=self.sink_keys, scale=call.scaling,
         )  # fmt: skip
+        if reorder is not None:
+            out = reorder.restore(out)
         out = splice_exact_heads(
             call.module, out, call.query.to(dtype), call.key.to(dtype), call.value.to(dtype),
             call.key_mask, call.causal, call.scaling,
