@@ -22,6 +22,7 @@ from linattn._checks import (
     broadcast_shapes,
     check_attention_inputs,
     check_chunk_size,
+    check_map_scale,
     check_scale,
     check_state_options,
     check_statistics_for_causal,
@@ -174,10 +175,8 @@ def normalise_call(
         )
     _dispatch.resolve_backend(backend)
     build.check_counts(window, sink_keys)  # (before any path: a custom operator's types)
-    if feature_map is not None and scale is not None and scale != feature_map.scale:
-        raise ValueError(
-            f"scale is the feature map's ({feature_map.scale}) when one is given; got {scale}"
-        )
+    if feature_map is not None:
+        check_map_scale(scale, feature_map.scale)
     return call
 
 
@@ -368,12 +367,8 @@ def check_exact_call(
     assert exact is not None
     if feature_map is None:
         scale = check_scale(scale, info.query_head_dim)
-    elif scale is not None and scale != feature_map.scale:
-        raise ValueError(
-            f"scale is the feature map's ({feature_map.scale}) when one is given; got {scale}"
-        )
     else:
-        scale = feature_map.scale
+        scale = check_map_scale(scale, feature_map.scale)
     work = compute_dtype(xp, info.dtype)
     q, k, v = (xp.astype(x, work, copy=False) for x in (q, k, v))
     k, v = drop_masked_keys(xp, k, v, key_mask)

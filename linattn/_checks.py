@@ -20,6 +20,7 @@ __all__ = [
     "check_attention_inputs",
     "check_chunk_size",
     "check_key_mask",
+    "check_map_scale",
     "check_query_mask",
     "check_scale",
     "check_state_options",
@@ -75,6 +76,33 @@ def check_scale(scale: object, head_dim: int) -> float:
     ):
         raise ValueError(f"scale must be a positive finite number; got {scale!r}")
     return float(scale)
+
+
+#: How far a ``scale`` given beside a feature map may be from the map's own: a few float32
+#: rounding steps (``1/sqrt(d)`` rounded to float32 and back is the same scale).
+SCALE_TOLERANCE = 1e-6
+
+
+def check_map_scale(scale: object, map_scale: float) -> float:
+    """The map's ``scale``: ``scale`` may be None or the map's own, to within
+    :data:`SCALE_TOLERANCE` (relative); anything else names both.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> check_map_scale(np.float32(0.125), 0.125) == check_map_scale(None, 0.125) == 0.125
+    True
+    >>> check_map_scale(float(np.float32(8**-0.5)), 8**-0.5) == 8**-0.5
+    True
+    """
+    if scale is None:
+        return map_scale
+    value = check_scale(scale, 1)
+    if not math.isclose(value, map_scale, rel_tol=SCALE_TOLERANCE):
+        raise ValueError(
+            f"scale is the feature map's ({map_scale}) when one is given; got {scale!r}"
+        )
+    return map_scale
 
 
 def key_mask_batch_shape(key_mask: Array, k: Array) -> tuple[int, ...]:

@@ -243,6 +243,22 @@ def test_bad_options_are_named(options: dict, message: str) -> None:
         la.linear_attention(q, k, v, la.FeatureMap(D, 8), **options)
 
 
+def test_the_maps_scale_rounded_to_float32_is_the_maps_scale() -> None:
+    q, k, v, _ = _inputs()
+    fm = la.FeatureMap(D, 8)
+    rounded = float(np.float32(fm.scale))
+    assert rounded != fm.scale  # one rounding step away, as a float32 model passes it
+    for options in ({}, {"window": 3}):
+        expected = la.linear_attention(q, k, v, fm, **options)
+        np.testing.assert_array_equal(
+            la.linear_attention(q, k, v, fm, scale=rounded, **options), expected
+        )
+        with pytest.raises(ValueError, match=r"scale is the feature map's"):
+            la.linear_attention(q, k, v, fm, scale=fm.scale * (1 + 1e-4), **options)
+    plan = la.plan_attention(q, k, v, fm, scale=rounded)
+    assert plan is not None
+
+
 def test_options_need_shared_positions_and_the_same_continuation() -> None:
     q, k, v, _ = _inputs()
     fm = la.FeatureMap(D, 8)
