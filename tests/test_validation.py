@@ -88,6 +88,97 @@ def test_torch_fitted_attention_rejects_it_before_any_work(case: str) -> None:
         assert got == expected
 
 
+#: The cases the layers and ``register()`` take too (their options are the hybrid's).
+OPTION_CASES = [
+    "window zero",
+    "window a float",
+    "window a string",
+    "window True",
+    "negative sinks",
+]
+
+#: The cases the custom operator's schema can carry (tensors, ints, bools and None; its
+#: schema's own types turn a float or string window away as torch's RuntimeError).
+OPERATOR_CASES = [
+    "empty sequence", "no features", "k and v lengths", "head dim against the map",
+    "causal with other lengths", "window zero", "negative sinks", "chunk_size zero",
+    "key_mask not bool", "key_mask length", "exact keys with causal",
+    "window over other lengths", "integer inputs",
+]  # fmt: skip
+
+
+def _same_error(got: tuple[type, str], expected: tuple[type, str]) -> bool:
+    """The same error type, the front door's message (after the caller's prefix, such as
+    ``register: ``)."""
+    return got[0] is expected[0] and got[1].endswith(expected[1])
+
+
+@pytest.mark.parametrize("case", [*OPTION_CASES, "empty sequence", "key_mask length"])
+def test_jax_fitted_attention_rejects_it_before_any_work(case: str) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    from linattn.jax import fitted_attention
+
+    args, options = BAD[case]
+    weight = RNG.standard_normal((2, 4, 4))
+    expected = _error(
+        la.linear_attention, *args[:3], la.FeatureMap.fitted(weight, tied=True), **options
+    )
+    q, k, v = (jnp.asarray(x) for x in args[:3])
+    options = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in options.items()}
+    for dense in (None, True):
+        got = _error(
+            fitted_attention, q, k, v, jnp.asarray(weight), tied=True, dense=dense, **options
+        )
+        assert got == expected
+
+
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("entry", ["torch layer", "flax layer", "register"])
+def test_layers_and_register_reject_the_options_linear_attention_rejects(
+    case: str, entry: str
+) -> None:
+    args, options = BAD[case]
+    expected = _error(la.linear_attention, *args, **options)
+    if entry == "torch layer":
+        pytest.importorskip("torch")
+        from linattn.torch import FastAttention as make
+    elif entry == "flax layer":
+        pytest.importorskip("flax")
+        from linattn.flax import FastAttention as make
+    else:
+        pytest.importorskip("transformers")
+        from linattn.integrations.transformers import register
+
+        def make(head_dim: int, num_features: int, **options: Any) -> None:
+            register(num_features=num_features, **options)
+
+    try:
+        assert _same_error(_error(make, 4, 8, **options), expected)
+    finally:
+        if entry == "register":
+            register()  # (the defaults back for the other tests)
+
+
+@pytest.mark.parametrize("case", OPERATOR_CASES)
+def test_the_custom_operator_rejects_what_linear_attention_rejects(case: str) -> None:
+    """``torch.ops.linattn.exact_parts_forward`` called directly checks its call as the
+    front door does, before its NumPy views reach a kernel."""
+    torch = pytest.importorskip("torch")
+    import linattn.executors.torch_operators  # noqa: F401  (registers the operator)
+
+    args, options = BAD[case]
+    expected = _error(la.linear_attention, *args, **options)
+    q, k, v, feature_map = args
+    masks = (torch.from_numpy(np.asarray(options[n])) if n in options else None
+             for n in ("key_mask", "exact_key_mask"))  # fmt: skip
+    got = _error(
+        torch.ops.linattn.exact_parts_forward, *(torch.from_numpy(x) for x in (q, k, v)),
+        *masks, feature_map.fingerprint, options.get("causal", False), options.get("window"),
+        options.get("sink_keys", 0), options.get("chunk_size"), None, None,
+    )  # fmt: skip
+    assert got == expected
+
+
 def test_an_empty_sequence_does_not_kill_the_interpreter() -> None:
     """(SIGFPE in torch's fused attention kernel on the commit before.)"""
     pytest.importorskip("torch")
