@@ -417,9 +417,10 @@ def log_softmax_pairs_vjp(xp: Namespace, log_phi: Array, d_log: Array) -> Array:
 #: The floor of the log-features by compute dtype (the compiled passes' too:
 #: ``linattn_numba.cpu.scalars.log_floor``).  A product of two features one of which is
 #: at the floor is below the float range whatever the other and ``log g``, so no output
-#: changes; it bounds the shifts the scans take from the keys' features, whose rounding
+#: changes but a query's whose every term is below it (``docs/numerics.md``, Limits);
+#: it bounds the shifts the scans take from the keys' features, whose rounding
 #: (``eps |shift|``) enters every weight: at weights x1e8 (float64) the features reach
-#: ``-1e8`` and the array-API scan was off by 0.37.
+#: ``-1e8`` and the array-API scan was off by 0.37 without it.
 LOG_FLOOR = {"float64": -3000.0, "float32": -420.0}
 
 
