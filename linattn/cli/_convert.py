@@ -5,7 +5,8 @@ weights (:func:`linattn.models.convert.convert_encoder`) on the user's texts, on
 line: every ``--validation-every``-th text goes to the validation split (early
 stopping, ``g = 0`` per head), the rest to the fit split.  Writes
 ``DIR/fitted.safetensors`` (loaded by ``linattn accuracy --model ... --fitted DIR`` and
-:func:`linattn.models.convert.attention_from_file`) and ``DIR/report.json``.
+:func:`linattn.models.convert.attention_from_file`) and ``DIR/report.json``; with
+``--model-out`` also the converted model as one folder (:mod:`linattn.cli._model_folder`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from linattn.cli._console import Console, Table
+from linattn.cli._model_folder import check_model_out, write_model_folder
 from linattn.cli._options import CommandError
 
 __all__ = ["FITTED_FILE", "convert", "packed", "read_texts"]
@@ -166,6 +168,7 @@ def convert(args: argparse.Namespace) -> int:
             f"come in pairs); got {args.num_features}"
         )
     _check_lengths(args)
+    check_model_out(args.model_out)
     try:
         model = load_model(args.model)
     except (ModelUnavailable, ValueError) as error:
@@ -288,4 +291,10 @@ def convert(args: argparse.Namespace) -> int:
         )
     console.print(table)
     console.print(f"wrote: {path} ({seconds:.0f} s)")
+    if args.model_out is not None:
+        folder = write_model_folder(model.path, path, args.model_out, model.max_length)
+        console.print(
+            f"wrote the model folder: {folder} (import linattn.integrations.transformers, "
+            f"then SentenceTransformer({str(folder)!r}) or AutoModel.from_pretrained)"
+        )
     return 0

@@ -449,6 +449,14 @@ def build_parser(
         help="output folder (default: linattn-fitted)",
     )  # fmt: skip
     convert.add_argument(
+        "--model-out", type=Path, default=None, metavar="DIR",
+        help="also write the converted model as one folder (encoder, tokenizer, pooling, "
+        "the maps inside) that SentenceTransformer(DIR) and transformers' "
+        "AutoModel.from_pretrained(DIR) load after `import "
+        "linattn.integrations.transformers`; needs torch, transformers and "
+        "sentence-transformers",
+    )  # fmt: skip
+    convert.add_argument(
         "--window", type=number(integer=True, positive=True), default=16,
         help="exact window (default: 16)",
     )  # fmt: skip
