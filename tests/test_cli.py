@@ -580,6 +580,7 @@ def test_convert_names_its_bad_options(tmp_path: Path, capsys: pytest.CaptureFix
     [
         ({"--num-features": "63"}, "--num-features must be an even integer"),
         ({"--out": "FILE"}, "must be a folder"),
+        ({"--model-out": "FILE"}, "--model-out"),
         ({"--texts": "LATIN1"}, "must be UTF-8 text"),
     ],
 )  # fmt: skip
