@@ -832,7 +832,8 @@ print(json.dumps({"embeddings": st.encode(sys.argv[3:]).tolist(),
 def test_the_command_line_writes_a_model_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``linattn convert --model-out DIR`` writes one folder that a fresh process loads
     with ``SentenceTransformer(DIR)`` after one linattn import, whose embeddings are the
-    NumPy route's (``linattn accuracy``'s) with the same maps."""
+    NumPy route's (``linattn accuracy``'s) with the same maps; the same file loads into
+    the real model in bfloat16."""
     import json
     import shutil
     import subprocess
@@ -867,3 +868,26 @@ def test_the_command_line_writes_a_model_folder(tmp_path) -> None:  # type: igno
     numpy_route = model.encoder.encode(tokens.input_ids, tokens.key_mask, attention)
     # (the NumPy and torch encoders agree to 2e-4 on hidden states: test_models)
     np.testing.assert_allclose(np.array(found["embeddings"]), numpy_route, atol=2e-4)
+    # The same file in the real model loaded in bfloat16 (the signature survives casts):
+    # the converted model loses no more to bfloat16 than the exact model does.
+    from transformers import AutoModel, AutoTokenizer
+
+    from linattn.integrations.transformers import load_fitted
+
+    batch = AutoTokenizer.from_pretrained(str(model.path))(
+        held_out, padding=True, return_tensors="pt"
+    )
+
+    def embeddings(dtype: torch.dtype, fitted: bool) -> torch.Tensor:
+        hf = AutoModel.from_pretrained(str(model.path), dtype=dtype).eval()
+        if fitted:
+            load_fitted(hf, tmp_path / "out" / "fitted.safetensors")
+            assert hf.config._attn_implementation == "linattn"
+        with torch.no_grad():
+            hidden = hf(**batch).last_hidden_state.float()
+        weights = batch["attention_mask"][..., None].float()
+        return torch.nn.functional.normalize((hidden * weights).sum(1) / weights.sum(1), dim=-1)
+
+    exact_loss = (embeddings(torch.bfloat16, False) * embeddings(torch.float32, False)).sum(-1)
+    converted = (embeddings(torch.bfloat16, True) * embeddings(torch.float32, True)).sum(-1)
+    assert bool((converted >= exact_loss - 1e-3).all()), (converted, exact_loss)
