@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -77,7 +78,7 @@ def benchmark(
     modes: Sequence[str] = MODES,
     on_step: Step = no_step,
 ) -> list[BenchRow]:
-    """Time (best of ``setup.repeats``) and peak memory for each length, method and mode.
+    """Time (median of ``setup.repeats``) and peak memory for each length, method and mode.
 
     Each method and mode is called once before timing at the first length (and at
     every length for JAX, which compiles per shape), so compile time is excluded.
@@ -124,17 +125,17 @@ def benchmark(
                 if (method, mode) not in warmed or library.name == "jax":
                     library.wait(call())
                     warmed.add((method, mode))
-                best = math.inf
+                times = []
                 for _ in range(setup.repeats):
                     start = time.perf_counter()
                     library.wait(call())
-                    best = min(best, time.perf_counter() - start)
+                    times.append(time.perf_counter() - start)
                 gc.collect()
                 with library.peak_memory() as peak:
                     out = call()
                     library.wait(out)
                     del out
-                rows.append(BenchRow(length, method, mode, best, peak.bytes))
+                rows.append(BenchRow(length, method, mode, statistics.median(times), peak.bytes))
                 on_step()
         del q, k, v
         gc.collect()

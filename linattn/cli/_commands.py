@@ -66,7 +66,7 @@ def _bench_settings(setup: BenchSetup, library: ArrayLibrary) -> dict[str, str]:
     settings = {
         "workload": f"B={setup.batch}, H={setup.heads}, d={setup.head_dim}, "
         f"{setup.dtype}; linear: m={setup.num_features} {setup.kind} orthogonal features",
-        "time": f"best of {setup.repeats} calls after a warm-up call (compilation excluded)",
+        "time": f"median of {setup.repeats} calls after a warm-up call (compilation excluded)",
         "peak memory": library.memory_method,
     }
     note = calibration_note(setup)

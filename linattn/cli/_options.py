@@ -242,7 +242,7 @@ def _add_bench_options(
         type=_count,
         default=repeats,
         metavar="N",
-        help=f"timed calls per point, best kept (default: {repeats})",
+        help=f"timed calls per point, median kept (default: {repeats})",
     )
     parser.add_argument(
         "--max-exact-length",
@@ -376,7 +376,7 @@ def build_parser(
     _add_out(demo)
     _add_backend(demo, None)
     _add_accuracy_options(demo, seeds=20, full=False)
-    _add_bench_options(demo, lengths="256,512,1024,2048,4096", heads=2, repeats=2, full=False)
+    _add_bench_options(demo, lengths="256,512,1024,2048,4096", heads=2, repeats=3, full=False)
 
     accuracy = commands.add_parser(
         "accuracy",
@@ -395,7 +395,7 @@ def build_parser(
     bench = commands.add_parser(
         "bench",
         help="time and peak memory vs L: exact vs linear, bidirectional and causal",
-        description="Time (best of --repeats) and peak memory of exact softmax attention and "
+        description="Time (median of --repeats) and peak memory of exact softmax attention and "
         "linear attention for each sequence length, with the machine in the header. Writes "
         "bench.csv, bench.json and bench.png to --out.",
     )

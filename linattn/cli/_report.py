@@ -90,7 +90,7 @@ def bench_tables(rows: Sequence[BenchRow], repeats: int) -> list[Table]:
     tables = []
     columns = (("seconds", "ms", 1e3), ("peak_bytes", "MiB", 1 / MIB))
     for mode in ordered(rows, "mode"):
-        table = compact_table(f"{mode.capitalize()}: time (best of {repeats}) and peak memory")
+        table = compact_table(f"{mode.capitalize()}: time (median of {repeats}) and peak memory")
         table.add_column("L", right=True)
         for _, unit, _ in columns:
             table.add_column(f"exact\n{unit}", right=True)
