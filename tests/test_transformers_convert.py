@@ -302,6 +302,32 @@ def test_save_then_load_into_a_fresh_copy(tmp_path, monkeypatch) -> None:  # typ
     assert "linattn" not in vars(other.config) or not other.config.linattn
 
 
+def test_a_call_longer_than_the_calibration_warns_once(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A file's calibrated length (``max_length``: ``linattn convert --max-length``)
+    survives load and save, and a longer call warns once that it runs outside it."""
+    import warnings
+
+    from linattn.integrations.transformers import attention
+
+    model = copy.deepcopy(_converted("bert")[0])
+    for module in model.modules():
+        if state_of(module).fitted is not None:
+            update(module, calibrated_length=L - 4)
+    path = save_fitted(model, tmp_path / "maps.safetensors")
+    assert load_maps(path, model_fingerprint=None)[1]["max_length"] == L - 4
+    fresh = load_fitted(_bert(), path)
+    monkeypatch.setattr(attention, "_WARNED_LENGTHS", set())
+    batch = _batch(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _output(fresh, {name: x[:, : L - 4] for name, x in batch.items()})
+    with pytest.warns(UserWarning, match=f"up to {L - 4} tokens; this one has {L}: it runs"):
+        _output(fresh, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _output(fresh, batch)  # (once)
+
+
 def test_one_file_for_every_route_and_dtype(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A file from the NumPy BERT's conversion (``linattn convert``'s) loads into the
     same model through transformers, and gives the NumPy route's hidden states; files of

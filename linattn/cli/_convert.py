@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from linattn.cli._console import Console, Table
+from linattn.cli._memory import keep_freed_memory
 from linattn.cli._model_folder import check_model_out, write_model_folder
 from linattn.cli._options import CommandError
 
@@ -169,6 +170,7 @@ def convert(args: argparse.Namespace) -> int:
         )
     _check_lengths(args)
     check_model_out(args.model_out)
+    keep_freed_memory()  # (steps reuse their pages: the kernel zeroed each one afresh)
     try:
         model = load_model(args.model)
     except (ModelUnavailable, ValueError) as error:

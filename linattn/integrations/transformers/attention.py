@@ -12,6 +12,7 @@ random one drawn on its first call, both kept in the module's record
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -142,7 +143,8 @@ def attention_forward(
         captured = capture(call)
         if captured is not None:
             return captured, None
-    feature_map = _feature_map(module, settings, query.shape[-1], scaling, causal)
+    length = int(key.shape[-2]) if layer is None else layer.seen  # (the cache's too)
+    feature_map = _feature_map(module, settings, query.shape[-1], scaling, causal, length)
     # Sinks are each row's first real tokens (left padding too): rows reordered so that
     # they come first, on a decoding state's first call only (later tokens are real).
     reorder = (
@@ -411,6 +413,7 @@ def _feature_map(
     head_dim: int,
     scaling: float | None,
     causal: bool,
+    length: int = 0,
 ) -> FeatureMap | None:
     """One map per layer, kept on the module (the same projection every call).
 
@@ -426,6 +429,7 @@ def _feature_map(
         untraced(map_from_file, module, path, settings)  # keeps it on module
         fitted = state_of(module).fitted  # (read back: a value torch.compile can guard)
     if fitted is not None:
+        _check_calibrated_length(module, length)
         expected = head_dim**-0.5 if scaling is None else scaling
         if fitted.head_dim != head_dim or not math.isclose(fitted.scale, expected, rel_tol=1e-6):
             raise ValueError(
@@ -447,6 +451,27 @@ def _feature_map(
     drawn = state_of(module).drawn  # (read back, as above)
     assert drawn is not None
     return drawn
+
+
+#: The calibrated lengths a longer call has warned about (once each, per process).
+_WARNED_LENGTHS: set[int] = set()
+
+
+def _check_calibrated_length(module: torch.nn.Module, length: int) -> None:
+    """Warn once when a call is longer than the fitted map's calibration inputs (it runs,
+    outside the calibrated range), as :func:`linattn.models.convert.attention_from_file`
+    does on the NumPy route."""
+    calibrated = state_of(module).calibrated_length
+    if calibrated is None or length <= calibrated or torch.compiler.is_compiling():
+        return
+    if calibrated not in _WARNED_LENGTHS:
+        _WARNED_LENGTHS.add(calibrated)
+        warnings.warn(
+            f"the fitted maps were calibrated on inputs of up to {calibrated} tokens; this "
+            f"one has {length}: it runs, outside the calibrated range (convert with "
+            "--max-length to calibrate at this length)",
+            stacklevel=4,
+        )
 
 
 def _draw(

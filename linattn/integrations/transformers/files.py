@@ -133,6 +133,9 @@ def save_fitted(model: Model, path: str | Path) -> Path:
     options["modules"] = [{"name": n, "fingerprint": module_fingerprint(m)} for n, m in entries]
     options[EXACT_HEADS_ENTRY] = [list(state_of(m).exact_heads) for _, m in entries]
     options["conversion"] = model.__dict__.get("_linattn_conversion")
+    calibrated = {state_of(m).calibrated_length for _, m in entries} - {None}
+    if calibrated:  # (a file fitted at length, loaded and saved again, keeps its range)
+        options["max_length"] = max(calibrated)
     written = save_maps(
         path,
         [state_of(m).fitted for _, m in entries],
@@ -274,7 +277,8 @@ def load_fitted(
     heads = file_exact_heads(options)
     for module, module_heads, (fm, _) in zip(modules, heads, layers, strict=True):
         fitted = {} if fm is None else {"fitted": fm}
-        update(module, exact_heads=tuple(module_heads), **fitted)
+        calibrated = options.get("max_length")
+        update(module, exact_heads=tuple(module_heads), calibrated_length=calibrated, **fitted)
     model.config.linattn = {**settings, "fitted": str(Path(path).resolve())}
     use_linattn(model)
     return model
@@ -369,5 +373,8 @@ def map_from_file(
             f"exact_keys={rule!r}"
         )
     fm, heads = found
-    update(module, fitted=fm, exact_heads=tuple(heads))
+    update(
+        module, fitted=fm, exact_heads=tuple(heads),
+        calibrated_length=options.get("max_length"),
+    )  # fmt: skip
     return fm

@@ -48,6 +48,9 @@ class LinattnState:
         The map in use grouped for grouped-query heads (``FeatureMap.grouped``), ...
     grouped_from : tuple or None
         ... and ``(map, group)`` it was made from (the map by identity).
+    calibrated_length : int or None
+        The longest input the fitted map was calibrated on, where its file says
+        (``max_length``): a longer call warns once that it runs outside that range.
 
     Examples
     --------
@@ -66,6 +69,7 @@ class LinattnState:
     drawn_for: tuple[Any, ...] | None = None
     grouped: FeatureMap | None = None
     grouped_from: tuple[FeatureMap, int] | None = None
+    calibrated_length: int | None = None
 
 
 #: The record of a module that has none (shared: records are immutable).
