@@ -220,3 +220,28 @@ def test_the_command_line_offers_every_position_method() -> None:
     )
     positions = next(a for a in convert._actions if a.dest == "positions")
     assert tuple(positions.choices) == METHODS
+
+
+def test_the_benchmark_asks_for_the_pass_key_of_a_person() -> None:
+    """The passkey documents name people (a configurations tuple of the same name once
+    shadowed them: the queries asked for "exact"'s key), and any ``--tasks`` draws the
+    same documents."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "long_documents.py"
+    spec = importlib.util.spec_from_file_location("long_documents", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class Words:  # a stand-in tokenizer: one id per word
+        def encode(self, text: str, add_special_tokens: bool = False) -> object:
+            return type("Encoding", (), {"ids": [len(w) for w in text.split()]})()
+
+        def token_to_id(self, token: str) -> int:
+            return 0
+
+    docs, queries = module.task(module.Builder(Words(), 0), "passkey", 64, 6)
+    people = {query.removeprefix("what is the pass key for ").rstrip("?") for query in queries}
+    assert people <= set(module.NAMES) and not people & set(module.CONFIGURATIONS)
+    assert len(docs) == 6 and all(len(doc) == 64 for doc in docs)
