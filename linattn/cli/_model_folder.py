@@ -54,7 +54,7 @@ def write_model_folder(source: Path, fitted: Path, out: Path, max_length: int) -
     try:  # (sentence-transformers 6; the old name warns there)
         from sentence_transformers.sentence_transformer import modules as models
     except ImportError:
-        from sentence_transformers import models  # type: ignore[no-redef]
+        from sentence_transformers import models  # type: ignore[no-redef,attr-defined]
     from linattn.integrations.transformers import load_fitted, save_pretrained
     from linattn.models.positions import POSITIONS_ENTRY, extend_positions
     from linattn.transfer import load_maps

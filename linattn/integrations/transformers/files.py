@@ -133,7 +133,7 @@ def save_fitted(model: Model, path: str | Path) -> Path:
     options["modules"] = [{"name": n, "fingerprint": module_fingerprint(m)} for n, m in entries]
     options[EXACT_HEADS_ENTRY] = [list(state_of(m).exact_heads) for _, m in entries]
     options["conversion"] = model.__dict__.get("_linattn_conversion")
-    calibrated = {state_of(m).calibrated_length for _, m in entries} - {None}
+    calibrated = [n for _, m in entries if (n := state_of(m).calibrated_length) is not None]
     if calibrated:  # (a file fitted at length, loaded and saved again, keeps its range)
         options["max_length"] = max(calibrated)
     written = save_maps(
