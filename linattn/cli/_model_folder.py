@@ -14,6 +14,7 @@ transformers refuses it rather than running exact attention.  A conversion at le
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -52,9 +53,9 @@ def write_model_folder(source: Path, fitted: Path, out: Path, max_length: int) -
     from sentence_transformers import SentenceTransformer
 
     try:  # (sentence-transformers 6; the old name warns there)
-        from sentence_transformers.sentence_transformer import modules as models
+        models = importlib.import_module("sentence_transformers.sentence_transformer.modules")
     except ImportError:
-        from sentence_transformers import models  # type: ignore[no-redef,attr-defined]
+        models = importlib.import_module("sentence_transformers.models")
     from linattn.integrations.transformers import load_fitted, save_pretrained
     from linattn.models.positions import POSITIONS_ENTRY, extend_positions
     from linattn.transfer import load_maps
