@@ -155,10 +155,10 @@ def attention_forward(
     inputs, call_mask = (query, key, value), key_mask
     if reorder is not None:
         assert key_mask is not None  # (a reordering needs one)
-        inputs = (reorder.take(query), reorder.take(key), reorder.take(value))
-        call_mask = reorder.take_mask(key_mask)
-        if exact_key_mask is not None:
-            exact_key_mask = reorder.take_mask(exact_key_mask)
+        q, k, v, call_mask, exact_key_mask = reorder.take_call(
+            query, key, value, key_mask, exact_key_mask
+        )
+        inputs = (q, k, v)
     q, k, v, grouped_mask, ungroup = grouped(*inputs, call_mask)
     if feature_map is not None and q.ndim > query.ndim:  # per-head parameters: grouped too
         feature_map = _grouped_map(module, feature_map, int(q.shape[-3]))

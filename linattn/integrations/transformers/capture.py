@@ -132,19 +132,14 @@ class Capture:
             if call.key_mask is None
             else call.key_mask.expand(batch, 1, length)[:, 0]
         )
-        exact = call.exact_key_mask
-        value = call.value
+        value, mask, exact = call.value, key_mask[:, None], call.exact_key_mask
         # The fit sees the rows as the attention runs them: each row's sinks first.
-        reorder = SinksFirst.of(
-            key_mask[:, None], options_for(call.module)["sink_keys"], call.causal
-        )
+        reorder = SinksFirst.of(mask, options_for(call.module)["sink_keys"], call.causal)
         if reorder is not None:
-            query, key, value = reorder.take(query), reorder.take(key), reorder.take(value)
-            key_mask = reorder.take_mask(key_mask[:, None])[:, 0]
-            exact = None if exact is None else reorder.take_mask(exact)
+            query, key, value, mask, exact = reorder.take_call(query, key, value, mask, exact)
         dtype = torch.promote_types(query.dtype, torch.float32)  # half precision: fit in float32
         q, k, v = (x.detach().to(dtype) for x in (query, key, value))
-        self.batch = LayerBatch(q, k, v, key_mask, None if exact is None else exact[:, 0])
+        self.batch = LayerBatch(q, k, v, mask[:, 0], None if exact is None else exact[:, 0])
         self.causal, self.scaling = call.causal, call.scaling
         raise Captured
 

@@ -76,6 +76,19 @@ class SinksFirst:
         """``mask`` ``(B, 1, L)`` reordered."""
         return mask.expand(self.order.shape[0], 1, -1).gather(-1, self.order[:, None, :])
 
+    def take_call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor,
+        exact_key_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """An attention call's ``q``, ``k``, ``v`` ``(B, H, L, .)`` and its ``(B, 1, L)``
+        masks reordered (``exact_key_mask`` may be None), in that order."""
+        exact = None if exact_key_mask is None else self.take_mask(exact_key_mask)
+        return self.take(q), self.take(k), self.take(v), self.take_mask(key_mask), exact
+
     def restore(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` ``(B, H, L, d)`` of the reordered call, back in the call's order."""
         index = self.order[:, None, :, None].expand(out.shape)

@@ -113,13 +113,7 @@ class _Hook:
         reorder = SinksFirst.of(key_mask, self.sink_keys, call.causal)  # as attention runs
         if reorder is not None:
             assert key_mask is not None  # (a reordering needs one)
-            q, k, v, key_mask = (
-                reorder.take(q),
-                reorder.take(k),
-                reorder.take(v),
-                reorder.take_mask(key_mask),
-            )
-            exact = None if exact is None else reorder.take_mask(exact)
+            q, k, v, key_mask, exact = reorder.take_call(q, k, v, key_mask, exact)
         out = fitted_attention(
             q, k, v, values.pop("query_weight"), **values,
             far_weight=layer.log_far_weight().exp(), tied="key_weight" not in values,
