@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -880,6 +881,25 @@ def test_the_command_line_writes_a_model_folder(tmp_path) -> None:  # type: igno
                  "--num-features", "8", "--out", str(tmp_path / "out"),
                  "--model-out", str(tmp_path / "model")]  # fmt: skip
     assert cli.main(arguments) == 0
+    # An interrupted rewrite leaves the folder there as it was, and nothing beside it.
+    import linattn.integrations.transformers as integration
+    from linattn.cli._model_folder import write_model_folder
+
+    def interrupted(model, folder):  # type: ignore[no-untyped-def]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    before = sorted(p.name for p in (tmp_path / "model").iterdir())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(integration, "save_pretrained", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            write_model_folder(
+                model.path, tmp_path / "out" / "fitted.safetensors", tmp_path / "model", 256
+            )
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == before
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() != b"half"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out", "texts.txt"]
     shutil.move(tmp_path / "model", tmp_path / "moved")  # (one folder: it moves whole)
     held_out = ["A held-out sentence about tide pools.", load_texts()[-1]]
     done = subprocess.run(

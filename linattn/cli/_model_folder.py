@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 from linattn.cli._options import CommandError
@@ -49,7 +51,8 @@ def check_model_out(path: Path | None) -> None:
 
 def write_model_folder(source: Path, fitted: Path, out: Path, max_length: int) -> Path:
     """Write the model of folder ``source`` with the maps of ``fitted`` to ``out``
-    (its positions extended as the maps' file records); returns ``out``."""
+    (its positions extended as the maps' file records; a folder already there is
+    replaced whole, once the new one is complete); returns ``out``."""
     from sentence_transformers import SentenceTransformer
 
     try:  # (sentence-transformers 6; the old name warns there)
@@ -69,5 +72,20 @@ def write_model_folder(source: Path, fitted: Path, out: Path, max_length: int) -
     if extension:
         extend_positions(model[0].auto_model, int(extension["length"]), str(extension["method"]))
     load_fitted(model[0].auto_model, fitted)
-    save_pretrained(model, out)
+    # Written beside it and renamed into place: an interrupted write leaves no folder
+    # that would load (a config without the linattn entries loads as the exact model).
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save_pretrained(model, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        partial.rename(out)
+        shutil.rmtree(old)
+    else:
+        partial.rename(out)
     return out

@@ -19,6 +19,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from linattn._checks import SCALE_TOLERANCE
 from linattn._gqa import grouped
 from linattn._xp import namespace_of, require, untraced
 from linattn.attention import linear_attention, with_exact_heads
@@ -431,7 +432,9 @@ def _feature_map(
     if fitted is not None:
         _check_calibrated_length(module, length)
         expected = head_dim**-0.5 if scaling is None else scaling
-        if fitted.head_dim != head_dim or not math.isclose(fitted.scale, expected, rel_tol=1e-6):
+        if fitted.head_dim != head_dim or not math.isclose(
+            fitted.scale, expected, rel_tol=SCALE_TOLERANCE
+        ):
             raise ValueError(
                 f"the fitted map of {type(module).__name__} was fitted for head_dim "
                 f"{fitted.head_dim} and scale {fitted.scale}; this call has head_dim "
